@@ -1,0 +1,61 @@
+"""pace_strategy: barrier-arrival skew monitoring and adaptive pacing for synchronous data-parallel training.
+
+``import pace_strategy`` registers the ``paced_ddp`` and ``paced_ddp_spawn`` Lightning strategies
+(in ``lightning.pytorch`` and, when installed, ``pytorch_lightning``).
+"""
+
+from __future__ import annotations
+
+from pace_strategy._version import __version__
+
+from pace_strategy.core import (
+    Decision,
+    Pacer,
+    PaceDistributedError,
+    PaceTimeoutError,
+    PacingConfig,
+    PacingConfigError,
+    PacingPolicy,
+    PolicyState,
+    StepSummary,
+    WindowResult,
+)
+from pace_strategy.hooks import PacedHookState, paced_comm_hook, register_paced_hook
+from pace_strategy.inject import Straggler
+from pace_strategy.session import PacingSession
+from pace_strategy.telemetry import RunRecord, read_run_record, summarize
+
+__all__ = [
+    "Decision",
+    "InjectStraggler",
+    "PaceDistributedError",
+    "PaceTimeoutError",
+    "PacedDDPStrategy",
+    "PacedHookState",
+    "Pacer",
+    "PacingConfig",
+    "PacingConfigError",
+    "PacingPolicy",
+    "PacingSession",
+    "PolicyState",
+    "RunRecord",
+    "StepSummary",
+    "Straggler",
+    "WindowResult",
+    "__version__",
+    "paced_comm_hook",
+    "read_run_record",
+    "register_paced_hook",
+    "summarize",
+]
+
+try:
+    from pace_strategy.integrations.lightning import (
+        InjectStraggler,
+        PacedDDPStrategy,
+        register_lightning_strategies,
+    )
+except ImportError:  # Lightning is optional for the core; the strategies need it
+    pass
+else:
+    register_lightning_strategies()

@@ -1,0 +1,37 @@
+"""The ``pace`` command: ``pace demo`` (more subcommands arrive with diagnosis and simulation)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from pace_strategy._version import __version__
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="pace", description="pace_strategy: skew monitoring and pacing.")
+    parser.add_argument("--version", action="version", version=f"pace_strategy {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.add_parser("demo", help="multi-process CPU training with an injected straggler", add_help=False)
+    if not argv or argv[0] not in ("demo",):
+        parser.parse_args(argv or ["--help"])
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from pace_strategy.core.errors import PacingConfigError
+
+    try:
+        from pace_strategy import demo
+
+        return demo.main(argv[1:])
+    except PacingConfigError as error:
+        print(f"pace {argv[0]}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

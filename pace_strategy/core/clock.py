@@ -1,0 +1,140 @@
+"""Clocks that mark moments on one rank and measure durations between them (host time or CUDA events)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Clock", "CudaEventClock", "HostClock", "ManualClock", "clock_for_device"]
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """Marks moments and measures durations on one rank; no value is ever compared across ranks.
+
+    ``mark()`` must be cheap (it runs in the DDP comm hook). ``elapsed_ms(a, b)`` may block until both
+    marks have happened (CUDA) and is only called when a window of steps is resolved.
+    """
+
+    #: How many of the most recent steps must stay unresolved at a window boundary. CUDA marks are
+    #: recorded asynchronously; resolving the newest step would stall the host on the device.
+    resolve_lag_steps: int
+
+    def mark(self) -> Any: ...
+
+    def elapsed_ms(self, start: Any, end: Any) -> float: ...
+
+    def delay(self, ms: float) -> None: ...
+
+    def now_s(self) -> float: ...
+
+
+class HostClock:
+    """Monotonic host time (``time.perf_counter_ns``); the right clock for CPU / gloo training."""
+
+    resolve_lag_steps = 0
+
+    def mark(self) -> int:
+        return time.perf_counter_ns()
+
+    def elapsed_ms(self, start: int, end: int) -> float:
+        return (end - start) / 1e6
+
+    def delay(self, ms: float) -> None:
+        if ms > 0:
+            # time.sleep releases the GIL: gloo and other ranks' threads keep running meanwhile.
+            time.sleep(ms / 1e3)
+
+    def now_s(self) -> float:
+        return time.monotonic()
+
+
+class CudaEventClock:
+    """CUDA events on the current stream: NCCL returns before the transfer happens, so host timestamps
+    are meaningless on GPU; events measure when the stream actually reached each point.
+
+    ``delay`` enqueues a device-side spin (``torch.cuda._sleep``) so that the *stream* enters the
+    collective later; a host sleep would only delay the enqueue, which usually runs ahead of the device.
+    """
+
+    resolve_lag_steps = 1
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CudaEventClock needs a CUDA device, got {device!s}")
+        self.device = device
+        self._cycles_per_ms: float | None = None
+        self._lock = threading.Lock()
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def elapsed_ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
+    def delay(self, ms: float) -> None:
+        if ms <= 0:
+            return
+        cycles = int(ms * self._calibrate())
+        torch.cuda._sleep(cycles)
+
+    def now_s(self) -> float:
+        return time.monotonic()
+
+    def _calibrate(self) -> float:
+        """Spin-kernel cycles per millisecond on this device, measured once with events."""
+        with self._lock:
+            if self._cycles_per_ms is None:
+                stream = torch.cuda.current_stream(self.device)
+                probe_cycles = 1_000_000
+                torch.cuda._sleep(probe_cycles)  # warm the kernel up
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                torch.cuda._sleep(probe_cycles)
+                end.record(stream)
+                end.synchronize()
+                elapsed = max(float(start.elapsed_time(end)), 1e-3)
+                self._cycles_per_ms = probe_cycles / elapsed
+            return self._cycles_per_ms
+
+
+class ManualClock:
+    """A clock that only moves when told to: deterministic time for unit tests of the Pacer.
+
+    ``delay`` advances the clock, as if the rank slept.
+    """
+
+    resolve_lag_steps = 0
+
+    def __init__(self, start_ms: float = 0.0) -> None:
+        self.now_ms = start_ms
+        self.delays_ms: list[float] = []
+
+    def advance(self, ms: float) -> None:
+        self.now_ms += ms
+
+    def mark(self) -> float:
+        return self.now_ms
+
+    def elapsed_ms(self, start: float, end: float) -> float:
+        return end - start
+
+    def delay(self, ms: float) -> None:
+        self.delays_ms.append(ms)
+        self.now_ms += max(ms, 0.0)
+
+    def now_s(self) -> float:
+        return self.now_ms / 1e3
+
+
+def clock_for_device(device: torch.device) -> Clock:
+    """The clock that measures correctly on ``device``: CUDA events on GPU, host time otherwise."""
+    if device.type == "cuda":
+        return CudaEventClock(device)
+    return HostClock()

@@ -1,0 +1,271 @@
+"""The typed pacing configuration: every constant of the monitor and the controller, validated at start."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args
+
+from pace_strategy.core.errors import PacingConfigError
+
+__all__ = ["PacingConfig", "PacingMode"]
+
+PacingMode = Literal["adaptive", "monitor", "forced"]
+_MODES: tuple[str, ...] = get_args(PacingMode)
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": " ".join(text.split())}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PacingConfig:
+    """Configuration of skew monitoring and adaptive pacing.
+
+    The paper behind the project (arXiv 2603.04424) publishes no thresholds, delay sizes or code; every
+    default below is this project's own design, chosen from measurements on a 2-core CPU test bed and
+    explained in ``docs/configuration.md``. Build one with keyword arguments, or from a mapping with
+    :meth:`from_dict` (unknown keys are errors that suggest the nearest valid key).
+    """
+
+    mode: PacingMode = field(
+        default="adaptive",
+        metadata=_doc(
+            """``"adaptive"``: monitor always, pace only while imbalance is severe and only while A/B
+            windows show that pacing helps. ``"monitor"``: measure and report, never delay a rank.
+            ``"forced"``: apply the computed delays whenever there is a pacable lead, bypassing the
+            activation rule and the A/B safety check (for experiments and tests)."""
+        ),
+    )
+    exchange_every_steps: int = field(
+        default=32,
+        metadata=_doc(
+            """K, steps per window. Per-rank step records are exchanged with one small all-gather every
+            K steps (not every step: one all-gather costs milliseconds of process wake-ups on CPU).
+            Telemetry for a step is written when its window arrives, at the step's own global step."""
+        ),
+    )
+    warmup_steps: int = field(
+        default=5,
+        metadata=_doc(
+            """Steps excluded from statistics and pacing at the start of training. DDP rebuilds its
+            gradient buckets after the first iteration and first steps pay one-off costs."""
+        ),
+    )
+    activate_skew_fraction: float = field(
+        default=0.10,
+        metadata=_doc(
+            """Pacing may turn on when the window's median unpaced skew is at least this fraction of the
+            median step time (0.10: ranks arrive 10% of a step apart)."""
+        ),
+    )
+    deactivate_skew_fraction: float = field(
+        default=0.05,
+        metadata=_doc(
+            """Pacing turns off when the median unpaced skew falls below this fraction of the step time
+            (hysteresis: must be <= ``activate_skew_fraction``)."""
+        ),
+    )
+    activate_windows: int = field(
+        default=3, metadata=_doc("Consecutive severe windows needed before pacing turns on.")
+    )
+    deactivate_windows: int = field(
+        default=2, metadata=_doc("Consecutive calm windows needed before pacing turns off.")
+    )
+    gain: float = field(
+        default=0.5,
+        metadata=_doc(
+            """Fraction of a rank's pacable lead (smoothed lead minus its noise margin) that is applied as
+            delay. In (0, 1]: a gain above 1 would make the paced rank the last one."""
+        ),
+    )
+    noise_margin_factor: float = field(
+        default=2.0,
+        metadata=_doc(
+            """Margin, in multiples of the rank's measured lead noise (standard deviation over the
+            window), that is kept unpaced so that a noisy step does not turn the paced rank into the
+            straggler."""
+        ),
+    )
+    persist_fraction: float = field(
+        default=0.8,
+        metadata=_doc(
+            """A rank is pacable in a window only if it led by more than its margin in at least this
+            fraction of the window's steps (a sustained, persistent lead)."""
+        ),
+    )
+    lead_smoothing: float = field(
+        default=0.5,
+        metadata=_doc("Weight of the newest window in the exponential moving average of each rank's lead."),
+    )
+    max_delay_ms: float = field(
+        default=20.0, metadata=_doc("Hard cap on the delay applied to a rank in one step, milliseconds.")
+    )
+    max_delay_step_fraction: float = field(
+        default=0.10,
+        metadata=_doc("Second cap on the delay: this fraction of the window's median step time."),
+    )
+    min_delay_ms: float = field(
+        default=0.5,
+        metadata=_doc("Delays below this many milliseconds are not applied (sleep granularity)."),
+    )
+    ab_windows: int = field(
+        default=2,
+        metadata=_doc(
+            """Windows in each arm of the A/B safety check: pacing runs this many windows and its median
+            step time is compared with the same number of unpaced windows."""
+        ),
+    )
+    min_gain_fraction: float = field(
+        default=0.005,
+        metadata=_doc(
+            """Pacing is kept only if the paced median step time is at least this fraction shorter than
+            the unpaced one (0.005 = 0.5%); otherwise the controller backs off for a cool-down."""
+        ),
+    )
+    probe_every_windows: int = field(
+        default=8,
+        metadata=_doc(
+            """While pacing is kept, re-measure the unpaced arm after this many paced windows (conditions
+            change; pacing must keep proving itself)."""
+        ),
+    )
+    cooldown_windows: int = field(
+        default=16,
+        metadata=_doc("Windows with pacing off after a failed A/B check before pacing may turn on again."),
+    )
+    cv_window_steps: int = field(
+        default=50,
+        metadata=_doc("Rolling window, in steps, of the step-time coefficient of variation (``pace/step_cv``)."),
+    )
+    per_rank_tag_limit: int = field(
+        default=64,
+        metadata=_doc("``pace/lead_ms/rank_{r}`` tags are written only while world size <= this limit."),
+    )
+    exchange_timeout_s: float = field(
+        default=300.0,
+        metadata=_doc(
+            """Seconds a rank waits for the window exchange before raising ``PaceTimeoutError`` naming the
+            step (a dead or hung peer must not hang training forever)."""
+        ),
+    )
+    straggler_warn_fraction: float = field(
+        default=0.8,
+        metadata=_doc(
+            """Warn when one rank arrived last in at least this fraction of a window's steps, for
+            ``activate_windows`` windows in a row."""
+        ),
+    )
+    straggler_warn_interval_s: float = field(
+        default=300.0, metadata=_doc("Minimum seconds between two persistent-straggler warnings.")
+    )
+    run_record: bool = field(
+        default=True,
+        metadata=_doc("Rank 0 writes the full per-rank, per-step run record (JSON lines) to the log directory."),
+    )
+
+    def __post_init__(self) -> None:
+        if self.mode not in _MODES:
+            _fail("mode", self.mode, f"one of {', '.join(repr(m) for m in _MODES)}")
+        _positive_int(self, "exchange_every_steps")
+        _positive_int(self, "activate_windows")
+        _positive_int(self, "deactivate_windows")
+        _positive_int(self, "ab_windows")
+        _positive_int(self, "probe_every_windows")
+        _positive_int(self, "cv_window_steps", minimum=2)
+        _positive_int(self, "warmup_steps", minimum=0)
+        _positive_int(self, "cooldown_windows", minimum=0)
+        _positive_int(self, "per_rank_tag_limit", minimum=0)
+        for name in ("activate_skew_fraction", "deactivate_skew_fraction", "max_delay_step_fraction"):
+            _number(self, name, low=0.0, high=1.0, low_open=True)
+        _number(self, "gain", low=0.0, high=1.0, low_open=True)
+        _number(self, "persist_fraction", low=0.0, high=1.0, low_open=True)
+        _number(self, "lead_smoothing", low=0.0, high=1.0, low_open=True)
+        _number(self, "straggler_warn_fraction", low=0.0, high=1.0, low_open=True)
+        _number(self, "noise_margin_factor", low=0.0)
+        _number(self, "max_delay_ms", low=0.0)
+        _number(self, "min_delay_ms", low=0.0)
+        _number(self, "min_gain_fraction", low=0.0, high=1.0)
+        _number(self, "exchange_timeout_s", low=0.0, low_open=True)
+        _number(self, "straggler_warn_interval_s", low=0.0)
+        if not isinstance(self.run_record, bool):
+            _fail("run_record", self.run_record, "true or false")
+        if self.deactivate_skew_fraction > self.activate_skew_fraction:
+            raise PacingConfigError(
+                f"PacingConfig.deactivate_skew_fraction={self.deactivate_skew_fraction!r} is larger than "
+                f"activate_skew_fraction={self.activate_skew_fraction!r}; the off threshold must be <= the on "
+                "threshold (hysteresis). Lower deactivate_skew_fraction or raise activate_skew_fraction."
+            )
+        if self.min_delay_ms > self.max_delay_ms:
+            raise PacingConfigError(
+                f"PacingConfig.min_delay_ms={self.min_delay_ms!r} is larger than max_delay_ms="
+                f"{self.max_delay_ms!r}; no delay could ever be applied. Set min_delay_ms <= max_delay_ms."
+            )
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """Names of all configuration fields, in declaration order."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def field_docs(cls) -> dict[str, str]:
+        """Map of field name to its documentation (meaning, unit)."""
+        return {f.name: f.metadata.get("doc", "") for f in fields(cls)}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> PacingConfig:
+        """Build a config from a mapping (YAML section, environment, CLI); unknown keys are errors.
+
+        ``None`` or an empty mapping gives the defaults.
+        """
+        values = dict(values or {})
+        known = cls.field_names()
+        for key in values:
+            if key not in known:
+                hint = difflib.get_close_matches(str(key), known, n=1)
+                suggestion = f" Did you mean {hint[0]!r}?" if hint else ""
+                raise PacingConfigError(
+                    f"Unknown pacing config field {key!r}.{suggestion} Valid fields: {', '.join(known)}."
+                )
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as a plain mapping (for the run record and logs)."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> PacingConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _fail(name: str, value: object, allowed: str) -> None:
+    raise PacingConfigError(
+        f"PacingConfig.{name}={value!r} is invalid: expected {allowed}. "
+        f"Fix: set {name} to {allowed} (see docs/configuration.md)."
+    )
+
+
+def _positive_int(cfg: PacingConfig, name: str, minimum: int = 1) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        _fail(name, value, f"an integer >= {minimum}")
+
+
+def _number(
+    cfg: PacingConfig,
+    name: str,
+    low: float,
+    high: float = math.inf,
+    low_open: bool = False,
+) -> None:
+    value = getattr(cfg, name)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and value <= high
+    if not ok:
+        lo = f"> {low:g}" if low_open else f">= {low:g}"
+        hi = "" if math.isinf(high) else f" and <= {high:g}"
+        _fail(name, value, f"a finite number {lo}{hi}")

@@ -1,0 +1,28 @@
+"""Error types raised by pace_strategy: user configuration errors and distributed runtime errors."""
+
+from __future__ import annotations
+
+__all__ = ["PaceDistributedError", "PaceTimeoutError", "PacingConfigError"]
+
+
+class PacingConfigError(ValueError):
+    """A configuration value is invalid.
+
+    The message names the field, echoes the value received, says what is allowed and how to fix it.
+    """
+
+
+class PaceDistributedError(RuntimeError):
+    """A collective issued by pace_strategy failed (a peer died, the group broke).
+
+    The message starts with ``[rank r/N]`` so that logs from many ranks can be told apart.
+    """
+
+    def __init__(self, rank: int, world_size: int, message: str) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        super().__init__(f"[rank {rank}/{world_size}] {message}")
+
+
+class PaceTimeoutError(PaceDistributedError):
+    """A collective issued by pace_strategy did not complete within the configured timeout."""

@@ -1,0 +1,325 @@
+"""The Pacer: measure each step on this rank, exchange a window, decide identically everywhere, apply.
+
+The adapters (DDP comm hook, Lightning, Accelerate) call four methods in this order each step:
+``begin_step`` (batch ready), ``enter_sync`` (first gradient bucket, from the comm hook; applies the
+delay), ``sync_done_callback`` (chained onto the last bucket's future) and ``end_step`` (after the
+optimizer step). The hot path is a clock mark and an append; everything else happens once per window.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pace_strategy.core.clock import Clock, HostClock
+from pace_strategy.core.comm import PendingGather, WindowExchange
+from pace_strategy.core.config import PacingConfig
+from pace_strategy.core.errors import PaceDistributedError
+from pace_strategy.core.policy import PacingPolicy
+from pace_strategy.core.records import NUM_FIELDS, Decision, Field, StepSummary
+from pace_strategy.core.skew import WindowStats, coefficient_of_variation, window_stats
+
+__all__ = ["Pacer", "WindowResult"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _OpenStep:
+    """Raw clock marks of the step in progress on this rank (resolved to durations per window)."""
+
+    step: int
+    warmup: bool
+    start: Any
+    begin: Any
+    prev_done: Any | None
+    ready: Any | None = None
+    arrival: Any | None = None
+    done: Any | None = None
+    end: Any | None = None
+    delay_ms: float = 0.0
+    handoffs: list[Any] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class WindowResult:
+    """What one exchanged window produced: per-step summaries (for telemetry) and the new decision."""
+
+    window: int
+    summaries: tuple[StepSummary, ...]
+    stats: WindowStats
+    decision: Decision
+    warnings: tuple[str, ...] = ()
+
+
+class Pacer:
+    """Skew monitor and adaptive pacer for one rank of a data-parallel job.
+
+    Args:
+        config: the validated pacing configuration.
+        group: the process group the window exchange runs on (``None`` for a single process). A
+            gloo group works with any training backend and keeps the exchange off the accelerator.
+        rank: this rank's index in ``group``.
+        world_size: number of ranks in ``group``.
+        clock: how durations are measured (:func:`~pace_strategy.core.clock.clock_for_device`).
+    """
+
+    def __init__(
+        self,
+        config: PacingConfig,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world_size: int,
+        clock: Clock | None = None,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.clock: Clock = clock if clock is not None else HostClock()
+        self.exchange = WindowExchange(group, rank, world_size, config.exchange_timeout_s)
+        self.policy = PacingPolicy(config, world_size)
+        self._open: _OpenStep | None = None
+        self._unresolved: list[_OpenStep] = []
+        self._pending: PendingGather | None = None
+        self._prev_end: Any | None = None
+        self._prev_done: Any | None = None
+        self._steps_seen = 0
+        self._window = 0
+        self._delay_ms = 0.0
+        self._step_times: deque[float] = deque(maxlen=config.cv_window_steps)
+        self._watch = _StragglerWatch(config, self.clock)
+        self.hook_calls = 0  #: gradient buckets seen by the comm hook (a cheap liveness check)
+
+    # ------------------------------------------------------------------ hot path (every step)
+    @property
+    def delay_ms(self) -> float:
+        """Delay this rank currently applies before its first gradient collective, milliseconds."""
+        return self._delay_ms
+
+    @property
+    def steps_seen(self) -> int:
+        """Steps completed on this rank."""
+        return self._steps_seen
+
+    @property
+    def decision(self) -> Decision:
+        return self.policy.last_decision
+
+    def begin_step(self, step: int) -> None:
+        """The step's input is ready. Ignored while a step is already open (gradient accumulation)."""
+        if self._open is not None:
+            return
+        now = self.clock.mark()
+        self._open = _OpenStep(
+            step=step,
+            warmup=self._steps_seen < self.config.warmup_steps,
+            start=self._prev_end if self._prev_end is not None else now,
+            begin=now,
+            prev_done=self._prev_done,
+        )
+
+    def interrupt(self) -> None:
+        """Something other than training ran since the last step (validation, checkpointing): the next
+        step's start is not contiguous with the previous step's end."""
+        self._prev_end = None
+        self._prev_done = None
+
+    def enter_sync(self) -> None:
+        """Called by the comm hook for the step's first gradient bucket: apply the delay, mark arrival."""
+        self.hook_calls += 1
+        step = self._open
+        if step is None:  # hook fired outside begin/end (a bare DDP loop): open a step implicitly
+            self.begin_step(self._steps_seen)
+            step = self._open
+            assert step is not None
+        if step.ready is not None:  # a second backward in the same step: just another hand-off
+            step.handoffs.append(self.clock.mark())
+            return
+        step.ready = self.clock.mark()
+        delay = 0.0 if step.warmup else self._delay_ms
+        if delay > 0.0:
+            self.clock.delay(delay)
+            step.arrival = self.clock.mark()
+        else:
+            step.arrival = step.ready
+        step.delay_ms = delay
+
+    def note_bucket(self) -> None:
+        """Called by the comm hook for every later bucket: one mark and one append."""
+        self.hook_calls += 1
+        if self._open is not None:
+            self._open.handoffs.append(self.clock.mark())
+
+    def sync_done_callback(self) -> Callable[[torch.futures.Future[Any]], Any]:
+        """A callback for the last bucket's future that marks completion and passes the value through."""
+        step = self._open
+        clock = self.clock
+
+        def _done(fut: torch.futures.Future[Any]) -> Any:
+            value = fut.value()  # re-raises a failed collective before anything is marked
+            if step is not None:
+                step.done = clock.mark()
+            return value
+
+        return _done
+
+    def end_step(self) -> WindowResult | None:
+        """The optimizer step is done. Returns a result when a window's exchange has completed."""
+        step = self._open
+        if step is None:
+            return None
+        self._open = None
+        step.end = self.clock.mark()
+        self._prev_end = step.end
+        self._prev_done = step.done
+        self._steps_seen += 1
+        self._unresolved.append(step)
+        result = None
+        if self._pending is not None:
+            # Launched one step ago: by now it has almost always completed, so this wait is free.
+            result = self._complete(self._pending)
+            self._pending = None
+        k = self.config.exchange_every_steps
+        if len(self._unresolved) >= k + self.clock.resolve_lag_steps:
+            self._pending = self._launch(k)
+        return result
+
+    # ------------------------------------------------------------------ per window
+    def flush(self) -> list[WindowResult]:
+        """Exchange everything not yet exchanged (end of training). Every rank must call it."""
+        results = []
+        if self._pending is not None:
+            results.append(self._complete(self._pending))
+            self._pending = None
+        if self._unresolved:
+            results.append(self._complete(self._launch(len(self._unresolved))))
+        return results
+
+    def _launch(self, count: int) -> PendingGather:
+        steps, self._unresolved = self._unresolved[:count], self._unresolved[count:]
+        rows = torch.tensor([self._resolve(s) for s in steps], dtype=torch.float64)
+        return self.exchange.start(rows, steps[0].step, steps[-1].step)
+
+    def _resolve(self, s: _OpenStep) -> list[float]:
+        el = self.clock.elapsed_ms
+        row = [0.0] * NUM_FIELDS
+        row[Field.STEP] = float(s.step)
+        seen = s.ready is not None and s.arrival is not None and s.done is not None
+        row[Field.VALID] = 1.0 if seen else 0.0
+        row[Field.WARMUP] = 1.0 if s.warmup else 0.0
+        if seen:
+            row[Field.COMPUTE_MS] = el(s.start, s.ready)
+            row[Field.WAIT_MS] = el(s.arrival, s.done)
+        row[Field.DELAY_MS] = s.delay_ms
+        row[Field.STEP_MS] = el(s.start, s.end)
+        row[Field.DATA_MS] = el(s.start, s.begin)
+        row[Field.GAP_MS] = el(s.prev_done, s.start) if s.prev_done is not None else 0.0
+        row[Field.BUCKETS] = float(len(s.handoffs) + (1 if s.ready is not None else 0))
+        if s.handoffs and s.arrival is not None:
+            row[Field.HANDOFF_SPAN_MS] = el(s.arrival, s.handoffs[-1])
+        return row
+
+    def _complete(self, pending: PendingGather) -> WindowResult:
+        gathered = self.exchange.wait(pending)
+        labels = gathered[:, :, Field.STEP]
+        if not bool((labels == labels[0:1]).all()):
+            raise PaceDistributedError(
+                self.rank,
+                self.world_size,
+                f"ranks disagree on the steps of window {self._window} (first step labels "
+                f"{labels[:, 0].tolist()}): every rank must call begin_step/end_step once per "
+                "synchronized step.",
+            )
+        stats = window_stats(self._window, gathered)
+        decision = self.policy.update(stats)
+        self._delay_ms = decision.delays_ms[self.rank]
+        summaries = self._summaries(gathered)
+        warnings = self._watch.check(stats)
+        self._window += 1
+        return WindowResult(
+            window=stats.window, summaries=summaries, stats=stats, decision=decision, warnings=warnings
+        )
+
+    def _summaries(self, g: torch.Tensor) -> tuple[StepSummary, ...]:
+        wait = g[:, :, Field.WAIT_MS]
+        wmin, wmax = wait.amin(dim=0), wait.amax(dim=0)
+        leads = wait - wmin
+        straggler = wait.argmin(dim=0)
+        compute_straggler = g[:, :, Field.COMPUTE_MS].argmax(dim=0)
+        step_ms = g[:, :, Field.STEP_MS].amax(dim=0)
+        delay_max = g[:, :, Field.DELAY_MS].amax(dim=0)
+        cols = {f: g[:, :, f].T.tolist() for f in (Field.COMPUTE_MS, Field.DELAY_MS, Field.STEP_MS,
+                                                     Field.DATA_MS, Field.GAP_MS)}
+        waits, lead_rows = wait.T.tolist(), leads.T.tolist()
+        out = []
+        for i in range(g.shape[1]):
+            valid = bool((g[:, i, Field.VALID] > 0).all())
+            warm = bool((g[:, i, Field.WARMUP] > 0).any())
+            if valid and not warm:
+                self._step_times.append(float(step_ms[i]))
+            out.append(
+                StepSummary(
+                    step=int(g[0, i, Field.STEP]),
+                    valid=valid,
+                    warmup=warm,
+                    skew_ms=float(wmax[i] - wmin[i]),
+                    straggler_rank=int(straggler[i]),
+                    compute_straggler_rank=int(compute_straggler[i]),
+                    step_ms=float(step_ms[i]),
+                    step_cv=coefficient_of_variation(list(self._step_times)),
+                    wait_ms_min=float(wmin[i]),
+                    wait_ms_max=float(wmax[i]),
+                    delay_ms_max=float(delay_max[i]),
+                    pacing_active=float(delay_max[i]) > 0.0,
+                    lead_ms=tuple(lead_rows[i]),
+                    compute_ms=tuple(cols[Field.COMPUTE_MS][i]),
+                    wait_ms=tuple(waits[i]),
+                    delay_ms=tuple(cols[Field.DELAY_MS][i]),
+                    rank_step_ms=tuple(cols[Field.STEP_MS][i]),
+                    data_ms=tuple(cols[Field.DATA_MS][i]),
+                    gap_ms=tuple(cols[Field.GAP_MS][i]),
+                    buckets=int(g[:, i, Field.BUCKETS].max()),
+                )
+            )
+        return tuple(out)
+
+
+class _StragglerWatch:
+    """Warns (rate-limited) when the same rank arrives last in most steps for several windows."""
+
+    def __init__(self, config: PacingConfig, clock: Clock) -> None:
+        self.config = config
+        self.clock = clock
+        self._rank: int | None = None
+        self._streak = 0
+        self._last_warned_s: float | None = None
+
+    def check(self, stats: WindowStats) -> tuple[str, ...]:
+        if stats.steps == 0 or stats.world_size < 2:
+            return ()
+        counts = stats.straggler_counts
+        rank = max(range(len(counts)), key=counts.__getitem__)
+        share = counts[rank] / stats.steps
+        if share < self.config.straggler_warn_fraction:
+            self._rank, self._streak = None, 0
+            return ()
+        self._streak = self._streak + 1 if rank == self._rank else 1
+        self._rank = rank
+        now = self.clock.now_s()
+        due = self._last_warned_s is None or now - self._last_warned_s >= self.config.straggler_warn_interval_s
+        if self._streak >= self.config.activate_windows and due:
+            self._last_warned_s = now
+            return (
+                f"pace_strategy: rank {rank} is a persistent straggler: it arrived last at the gradient sync "
+                f"in {share:.0%} of window {stats.window}'s {stats.steps} steps ({self._streak} windows in a "
+                "row). Its per-rank lead and compute time are in the run record and the pace/lead_ms tags.",
+            )
+        return ()

@@ -1,0 +1,88 @@
+"""Frozen result records: one step seen by all ranks, one window's statistics, one pacing decision."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["Decision", "Field", "PolicyState", "StepSummary", "NUM_FIELDS"]
+
+
+class Field(enum.IntEnum):
+    """Column layout of the per-rank step record exchanged between ranks (float64, one row per step).
+
+    All durations are milliseconds measured on the rank itself; no clock is compared across ranks.
+    """
+
+    STEP = 0  #: global step label (checked for agreement across ranks)
+    VALID = 1  #: 1.0 when the gradient sync point was seen this step (the comm hook fired), else 0.0
+    WARMUP = 2  #: 1.0 for warm-up steps (excluded from statistics and pacing)
+    COMPUTE_MS = 3  #: step start -> ready to enter the sync point (data wait, forward, backward), no delay
+    WAIT_MS = 4  #: arrival at the sync point -> completion of the step's last gradient collective
+    DELAY_MS = 5  #: pacing delay applied before the first gradient collective
+    STEP_MS = 6  #: wall time of the step on this rank (start -> after the optimizer step)
+    DATA_MS = 7  #: step start -> batch ready (time spent waiting for input)
+    GAP_MS = 8  #: previous step's collective completion -> this step's start (optimizer, loop overhead)
+    BUCKETS = 9  #: gradient buckets handed to the collective this step
+    HANDOFF_SPAN_MS = 10  #: first -> last bucket hand-off (how far backward overlapped communication)
+
+
+NUM_FIELDS = len(Field)
+
+
+class PolicyState(str, enum.Enum):
+    """States of the adaptive pacing controller."""
+
+    MONITOR = "monitor"  #: measuring only, waiting for sustained severe imbalance
+    PACING = "pacing"  #: delays applied (the paced arm of the A/B check)
+    PROBE = "probe"  #: delays withheld to re-measure the unpaced arm
+    COOLDOWN = "cooldown"  #: backed off after pacing failed to help; no pacing until it ends
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the controller decided after one window; identical on every rank.
+
+    ``delays_ms[r]`` is the delay rank ``r`` applies before its first gradient collective in each step
+    until the next decision.
+    """
+
+    window: int
+    state: PolicyState
+    delays_ms: tuple[float, ...]
+    reason: str
+    baseline_step_ms: float | None = None
+    paced_step_ms: float | None = None
+
+    @property
+    def pacing_active(self) -> bool:
+        return any(d > 0.0 for d in self.delays_ms)
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """One step as seen by all ranks after the exchange (the row behind every ``pace/`` tag).
+
+    Durations in milliseconds. Per-rank tuples are indexed by global rank.
+    """
+
+    step: int
+    valid: bool
+    warmup: bool
+    skew_ms: float  #: latest minus earliest arrival, clock-free: max(wait) - min(wait)
+    straggler_rank: int  #: the rank that arrived last (least wait)
+    compute_straggler_rank: int  #: the rank with the longest compute time
+    step_ms: float  #: wall time of the step (slowest rank)
+    step_cv: float  #: coefficient of variation of step_ms over the rolling window
+    wait_ms_min: float  #: transfer time estimate
+    wait_ms_max: float
+    delay_ms_max: float
+    pacing_active: bool
+    lead_ms: tuple[float, ...]  #: wait_r - min(wait)
+    compute_ms: tuple[float, ...]
+    wait_ms: tuple[float, ...]
+    delay_ms: tuple[float, ...]
+    rank_step_ms: tuple[float, ...]
+    data_ms: tuple[float, ...]
+    gap_ms: tuple[float, ...]
+    buckets: int

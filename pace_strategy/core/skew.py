@@ -1,0 +1,106 @@
+"""Skew math of the glossary, vectorized over one gathered window of per-rank step records."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pace_strategy.core.records import Field
+
+__all__ = ["WindowStats", "coefficient_of_variation", "lead", "pacable_lead", "skew", "window_stats"]
+
+
+def skew(wait_ms: torch.Tensor) -> torch.Tensor:
+    """Latest minus earliest arrival per step: ``max(wait) - min(wait)`` over ranks (dim 0).
+
+    Clock-free: the latest rank waits least and collectives complete at nearly the same time on all ranks.
+    """
+    return wait_ms.amax(dim=0) - wait_ms.amin(dim=0)
+
+
+def lead(wait_ms: torch.Tensor) -> torch.Tensor:
+    """How early each rank arrived: ``wait_r - min(wait)`` (ranks on dim 0). The straggler has lead 0."""
+    return wait_ms - wait_ms.amin(dim=0, keepdim=True)
+
+
+def pacable_lead(wait_ms: torch.Tensor, delay_ms: torch.Tensor, compute_ms: torch.Tensor) -> torch.Tensor:
+    """The part of each rank's lead that pacing may remove, per rank and step (ranks on dim 0).
+
+    Two clock-free signals must agree: the *unpaced* wait-based lead (the delay a rank was given is
+    added back to its wait) and the compute-based lead (``max(compute) - compute_r``). On an asymmetric
+    fabric a rank behind a slow path finishes the previous collective late, starts late and looks early
+    or late by its waits although its compute is normal; taking the minimum of both never paces a rank
+    for lateness that the network caused.
+    """
+    unpaced = wait_ms + delay_ms
+    wait_lead = unpaced - unpaced.amin(dim=0, keepdim=True)
+    compute_lead = compute_ms.amax(dim=0, keepdim=True) - compute_ms
+    return torch.minimum(wait_lead, compute_lead).clamp_min(0.0)
+
+
+def coefficient_of_variation(values: Sequence[float]) -> float:
+    """Population standard deviation over mean; 0.0 for fewer than two values or a zero mean."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean = sum(values) / n
+    if mean <= 0.0:
+        return 0.0
+    var = sum((v - mean) ** 2 for v in values) / n
+    return math.sqrt(var) / mean
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """Statistics of one window's usable steps (valid and past warm-up), the controller's only input."""
+
+    window: int
+    world_size: int
+    steps: int  #: usable steps in the window
+    median_step_ms: float
+    median_unpaced_skew_ms: float
+    pacable_lead_ms: torch.Tensor  #: [world_size, steps] float64
+    straggler_counts: tuple[int, ...]  #: how often each rank arrived last
+
+    @property
+    def skew_fraction(self) -> float:
+        """Median unpaced skew relative to the median step time."""
+        if self.median_step_ms <= 0.0:
+            return 0.0
+        return self.median_unpaced_skew_ms / self.median_step_ms
+
+
+def window_stats(window: int, gathered: torch.Tensor) -> WindowStats:
+    """Reduce a gathered window ``[world_size, steps, NUM_FIELDS]`` to the controller's statistics."""
+    world_size = gathered.shape[0]
+    usable = (gathered[:, :, Field.VALID] > 0).all(dim=0) & (gathered[:, :, Field.WARMUP] == 0).all(dim=0)
+    rows = gathered[:, usable, :]
+    steps = int(rows.shape[1])
+    if steps == 0:
+        return WindowStats(
+            window=window,
+            world_size=world_size,
+            steps=0,
+            median_step_ms=0.0,
+            median_unpaced_skew_ms=0.0,
+            pacable_lead_ms=torch.zeros(world_size, 0, dtype=torch.float64),
+            straggler_counts=(0,) * world_size,
+        )
+    wait = rows[:, :, Field.WAIT_MS]
+    delay = rows[:, :, Field.DELAY_MS]
+    compute = rows[:, :, Field.COMPUTE_MS]
+    step_ms = rows[:, :, Field.STEP_MS].amax(dim=0)
+    unpaced_skew = skew(wait + delay)
+    stragglers = torch.bincount(wait.argmin(dim=0), minlength=world_size)
+    return WindowStats(
+        window=window,
+        world_size=world_size,
+        steps=steps,
+        median_step_ms=float(step_ms.median()),
+        median_unpaced_skew_ms=float(unpaced_skew.median()),
+        pacable_lead_ms=pacable_lead(wait, delay, compute),
+        straggler_counts=tuple(int(c) for c in stragglers.tolist()),
+    )

@@ -1,0 +1,5 @@
+"""Hooks that feed framework collectives into the Pacer."""
+
+from pace_strategy.hooks.ddp import PacedHookState, paced_comm_hook, register_paced_hook
+
+__all__ = ["PacedHookState", "paced_comm_hook", "register_paced_hook"]

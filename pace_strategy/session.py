@@ -1,0 +1,136 @@
+"""One rank's pacing session: the Pacer plus its telemetry sinks, shared by every framework adapter.
+
+An adapter builds a session once the process group exists, forwards the framework's step events to
+``session.pacer`` / ``session.end_step``, and calls ``finish`` (all ranks, normal end) or ``fail``
+(local, on an exception; no collective). Only rank 0 writes telemetry.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from pace_strategy._version import __version__
+from pace_strategy.core.clock import Clock, clock_for_device
+from pace_strategy.core.comm import gather_json
+from pace_strategy.core.config import PacingConfig
+from pace_strategy.core.pacer import Pacer, WindowResult
+from pace_strategy.telemetry.run_record import RECORD_FILENAME, RunRecordWriter
+from pace_strategy.telemetry.schema import step_metrics
+from pace_strategy.telemetry.topology import local_placement
+
+__all__ = ["MetricsSink", "PacingSession", "side_group"]
+
+log = logging.getLogger(__name__)
+
+#: Receives one step's tags and the step's true global step (e.g. a framework logger's log_metrics).
+MetricsSink = Callable[[Mapping[str, float], int], None]
+
+
+def side_group(config: PacingConfig) -> dist.ProcessGroup | None:
+    """A gloo group over all ranks for the window exchange (``None`` when not distributed).
+
+    Collective on every rank. gloo keeps the few floats per step on the CPU, off the NCCL streams, and
+    gets its own timeout so that a dead or hung peer is reported by pace_strategy instead of hanging.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=config.exchange_timeout_s))
+
+
+class PacingSession:
+    """The Pacer of one rank and, on rank 0, its metrics sink and run-record writer."""
+
+    def __init__(
+        self,
+        config: PacingConfig,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        group: dist.ProcessGroup | None,
+        framework: str,
+        log_dir: str | os.PathLike[str] | None = None,
+        metrics_sink: MetricsSink | None = None,
+        node_rank: int | None = None,
+        local_rank: int | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.pacer = Pacer(config, group, rank, world_size, clock or clock_for_device(device))
+        self.metrics_sink = metrics_sink if rank == 0 else None
+        placement = local_placement(rank, device, node_rank=node_rank, local_rank=local_rank)
+        self.topology = gather_json(group, rank, world_size, placement.to_dict(), config.exchange_timeout_s)
+        self.record: RunRecordWriter | None = None
+        self.record_path: Path | None = None
+        if rank == 0 and config.run_record and log_dir is not None:
+            self.record_path = Path(log_dir) / RECORD_FILENAME
+            self.record = RunRecordWriter(
+                self.record_path,
+                world_size=world_size,
+                config=config.to_dict(),
+                topology=self.topology,
+                framework=framework,
+                extra={"versions": {"pace_strategy": __version__, "torch": torch.__version__}},
+            )
+        self._finished = False
+
+    def end_step(self) -> WindowResult | None:
+        """Forward the end of a step to the pacer and publish any window that completed."""
+        result = self.pacer.end_step()
+        if result is not None:
+            self.publish(result)
+        return result
+
+    def publish(self, result: WindowResult) -> None:
+        """Rank 0: log every step of the window at its own global step, append it to the run record."""
+        if self.rank != 0:
+            return
+        for message in result.warnings:
+            log.warning(message)
+        if self.metrics_sink is not None:
+            for summary in result.summaries:
+                self.metrics_sink(step_metrics(summary, self.config.per_rank_tag_limit), summary.step)
+        if self.record is not None:
+            self.record.write_window(result.summaries, result.decision)
+
+    def finish(self) -> None:
+        """Normal end of training (collective: every rank calls it): exchange and publish what is left."""
+        if self._finished:
+            return
+        self._finished = True
+        try:
+            for result in self.pacer.flush():
+                self.publish(result)
+        except BaseException as error:
+            self._close("failed", error)
+            raise
+        self._close("completed", None)
+
+    def fail(self, error: BaseException) -> None:
+        """Training failed on this rank: close the run record without any collective (peers may be gone)."""
+        if self._finished:
+            return
+        self._finished = True
+        self._close("failed", error)
+        log.error(
+            "[rank %d/%d] pace_strategy: training failed after %d steps (%s: %s)%s",
+            self.rank,
+            self.world_size,
+            self.pacer.steps_seen,
+            type(error).__name__,
+            error,
+            f"; run record kept at {self.record_path}" if self.record_path is not None else "",
+        )
+
+    def _close(self, status: str, error: BaseException | None) -> None:
+        if self.record is not None:
+            self.record.close(status, None if error is None else f"{type(error).__name__}: {error}")

@@ -1,0 +1,65 @@
+"""Metric tag names, defined once: dashboards depend on them and a test pins them."""
+
+from __future__ import annotations
+
+from pace_strategy.core.records import StepSummary
+
+__all__ = [
+    "DELAY_MS_MAX",
+    "LEAD_MS_PREFIX",
+    "PACING_ACTIVE",
+    "SKEW_MS",
+    "STEP_CV",
+    "STEP_MS",
+    "STRAGGLER_RANK",
+    "TAGS",
+    "WAIT_MS_MAX",
+    "WAIT_MS_MIN",
+    "lead_tag",
+    "step_metrics",
+]
+
+SKEW_MS = "pace/skew_ms"  #: latest minus earliest arrival at this step's sync point, ms
+STRAGGLER_RANK = "pace/straggler_rank"  #: the rank that arrived last
+STEP_MS = "pace/step_ms"  #: wall time of the step (slowest rank), ms
+STEP_CV = "pace/step_cv"  #: coefficient of variation of step time over the rolling window
+WAIT_MS_MIN = "pace/wait_ms_min"  #: smallest wait at the sync point (~ transfer time), ms
+WAIT_MS_MAX = "pace/wait_ms_max"  #: largest wait at the sync point, ms
+DELAY_MS_MAX = "pace/delay_ms_max"  #: largest pacing delay applied at this step, ms
+PACING_ACTIVE = "pace/pacing_active"  #: 1 while pacing is on, else 0
+LEAD_MS_PREFIX = "pace/lead_ms/rank_"  #: per-rank lead, ms: ``pace/lead_ms/rank_{r}``
+
+#: The fixed tags written every step (per-rank lead tags come in addition).
+TAGS: tuple[str, ...] = (
+    SKEW_MS,
+    STRAGGLER_RANK,
+    STEP_MS,
+    STEP_CV,
+    WAIT_MS_MIN,
+    WAIT_MS_MAX,
+    DELAY_MS_MAX,
+    PACING_ACTIVE,
+)
+
+
+def lead_tag(rank: int) -> str:
+    """The per-rank lead tag of ``rank``."""
+    return f"{LEAD_MS_PREFIX}{rank}"
+
+
+def step_metrics(summary: StepSummary, per_rank_tag_limit: int) -> dict[str, float]:
+    """The tag -> value mapping logged for one step."""
+    metrics = {
+        SKEW_MS: summary.skew_ms,
+        STRAGGLER_RANK: float(summary.straggler_rank),
+        STEP_MS: summary.step_ms,
+        STEP_CV: summary.step_cv,
+        WAIT_MS_MIN: summary.wait_ms_min,
+        WAIT_MS_MAX: summary.wait_ms_max,
+        DELAY_MS_MAX: summary.delay_ms_max,
+        PACING_ACTIVE: 1.0 if summary.pacing_active else 0.0,
+    }
+    if len(summary.lead_ms) <= per_rank_tag_limit:
+        for rank, value in enumerate(summary.lead_ms):
+            metrics[lead_tag(rank)] = value
+    return metrics
