@@ -7,11 +7,10 @@
 from __future__ import annotations
 
 from pace_strategy._version import __version__
-
 from pace_strategy.core import (
     Decision,
-    Pacer,
     PaceDistributedError,
+    Pacer,
     PaceTimeoutError,
     PacingConfig,
     PacingConfigError,

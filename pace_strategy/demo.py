@@ -1,4 +1,4 @@
-"""The demo: a real multi-process CPU Lightning run with an injected straggler, TensorBoard logs and a summary.
+"""The demo: a real multi-process CPU Lightning run with an injected straggler, TensorBoard logs, summary.
 
 Run it as ``pace demo`` (or ``python -m pace_strategy.demo``). Each rank trains a small MLP on random
 data; ``--compute-ms`` adds a sleep to every step to stand in for accelerator time (it keeps the two
@@ -26,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=4, help="CPU processes (ranks); default 4")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps; default 200")
     p.add_argument("--straggler", default="2:30", help="RANK:MS[:PROB],... injected delay; '' for none")
-    p.add_argument("--compute-ms", type=float, default=20.0, help="emulated accelerator time per step (sleep)")
+    p.add_argument(
+        "--compute-ms", type=float, default=20.0, help="emulated accelerator time per step (sleep)"
+    )
     p.add_argument("--strategy", default="paced_ddp", help="paced_ddp, paced_ddp_spawn, or ddp (baseline)")
     p.add_argument("--root", default="runs/demo", help="directory for TensorBoard logs and the run record")
     p.add_argument("--name", default="demo", help="experiment name under --root")
@@ -77,6 +79,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from torch.utils.data import DataLoader, TensorDataset
 
     from pace_strategy.core.config import PacingConfig
+    from pace_strategy.core.errors import PacingConfigError
     from pace_strategy.inject import parse_stragglers
     from pace_strategy.integrations.lightning import InjectStraggler, PacedDDPStrategy
 
@@ -86,7 +89,10 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         def __init__(self) -> None:
             super().__init__()
             self.net = nn.Sequential(
-                nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU(),
+                nn.Linear(64, args.hidden),
+                nn.ReLU(),
+                nn.Linear(args.hidden, args.hidden),
+                nn.ReLU(),
                 nn.Linear(args.hidden, 10),
             )
 
@@ -104,12 +110,13 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     data = TensorDataset(torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g))
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=False)
 
-    pacing = PacingConfig.from_dict(_pacing_overrides(args.pacing))
-    if args.strategy in ("paced_ddp", "paced_ddp_spawn"):
+    overrides = _pacing_overrides(args.pacing)
+    strategy: Any = args.strategy  # a registered name: "paced_ddp" uses the default PacingConfig
+    if overrides and args.strategy in ("paced_ddp", "paced_ddp_spawn"):
         start = "spawn" if args.strategy.endswith("spawn") else "popen"
-        strategy: Any = PacedDDPStrategy(pacing=pacing, start_method=start)
-    else:
-        strategy = args.strategy
+        strategy = PacedDDPStrategy(pacing=PacingConfig.from_dict(overrides), start_method=start)
+    elif overrides:
+        raise PacingConfigError(f"--pacing needs a paced strategy, not --strategy {args.strategy!r}")
     callbacks: list[Any] = []
     stragglers = parse_stragglers(args.straggler or "")
     if stragglers:
@@ -224,4 +231,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pace_strategy.cli import main as cli_main
+
+    sys.exit(cli_main(["demo", *sys.argv[1:]]))

@@ -7,7 +7,14 @@ from pace_strategy.core.errors import PaceDistributedError, PaceTimeoutError, Pa
 from pace_strategy.core.pacer import Pacer, WindowResult
 from pace_strategy.core.policy import PacingPolicy
 from pace_strategy.core.records import Decision, Field, PolicyState, StepSummary
-from pace_strategy.core.skew import WindowStats, coefficient_of_variation, lead, pacable_lead, skew, window_stats
+from pace_strategy.core.skew import (
+    WindowStats,
+    coefficient_of_variation,
+    lead,
+    pacable_lead,
+    skew,
+    window_stats,
+)
 
 __all__ = [
     "Clock",

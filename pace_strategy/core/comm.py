@@ -110,7 +110,4 @@ def gather_json(
         work.wait(exchange.timeout)
     except RuntimeError as error:
         raise exchange._error(error, -1, -1) from error
-    return [
-        json.loads(bytes(out[: int(sizes[r, 0, 0])].tolist()).decode())
-        for r, out in enumerate(outputs)
-    ]
+    return [json.loads(bytes(out[: int(sizes[r, 0, 0])].tolist()).decode()) for r, out in enumerate(outputs)]

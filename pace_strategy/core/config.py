@@ -139,7 +139,9 @@ class PacingConfig:
     )
     cv_window_steps: int = field(
         default=50,
-        metadata=_doc("Rolling window, in steps, of the step-time coefficient of variation (``pace/step_cv``)."),
+        metadata=_doc(
+            "Rolling window, in steps, of the step-time coefficient of variation (``pace/step_cv``)."
+        ),
     )
     per_rank_tag_limit: int = field(
         default=64,
@@ -164,7 +166,9 @@ class PacingConfig:
     )
     run_record: bool = field(
         default=True,
-        metadata=_doc("Rank 0 writes the full per-rank, per-step run record (JSON lines) to the log directory."),
+        metadata=_doc(
+            "Rank 0 writes the full per-rank, per-step run record (JSON lines) to the log directory."
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -196,8 +200,8 @@ class PacingConfig:
         if self.deactivate_skew_fraction > self.activate_skew_fraction:
             raise PacingConfigError(
                 f"PacingConfig.deactivate_skew_fraction={self.deactivate_skew_fraction!r} is larger than "
-                f"activate_skew_fraction={self.activate_skew_fraction!r}; the off threshold must be <= the on "
-                "threshold (hysteresis). Lower deactivate_skew_fraction or raise activate_skew_fraction."
+                f"activate_skew_fraction={self.activate_skew_fraction!r}; the off threshold must be <= the "
+                "on threshold (hysteresis). Lower deactivate_skew_fraction or raise activate_skew_fraction."
             )
         if self.min_delay_ms > self.max_delay_ms:
             raise PacingConfigError(

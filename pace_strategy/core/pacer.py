@@ -256,8 +256,10 @@ class Pacer:
         compute_straggler = g[:, :, Field.COMPUTE_MS].argmax(dim=0)
         step_ms = g[:, :, Field.STEP_MS].amax(dim=0)
         delay_max = g[:, :, Field.DELAY_MS].amax(dim=0)
-        cols = {f: g[:, :, f].T.tolist() for f in (Field.COMPUTE_MS, Field.DELAY_MS, Field.STEP_MS,
-                                                     Field.DATA_MS, Field.GAP_MS)}
+        cols = {
+            f: g[:, :, f].T.tolist()
+            for f in (Field.COMPUTE_MS, Field.DELAY_MS, Field.STEP_MS, Field.DATA_MS, Field.GAP_MS)
+        }
         waits, lead_rows = wait.T.tolist(), leads.T.tolist()
         out = []
         for i in range(g.shape[1]):
@@ -314,7 +316,9 @@ class _StragglerWatch:
         self._streak = self._streak + 1 if rank == self._rank else 1
         self._rank = rank
         now = self.clock.now_s()
-        due = self._last_warned_s is None or now - self._last_warned_s >= self.config.straggler_warn_interval_s
+        due = (
+            self._last_warned_s is None or now - self._last_warned_s >= self.config.straggler_warn_interval_s
+        )
         if self._streak >= self.config.activate_windows and due:
             self._last_warned_s = now
             return (

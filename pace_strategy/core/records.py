@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["Decision", "Field", "PolicyState", "StepSummary", "NUM_FIELDS"]
+__all__ = ["NUM_FIELDS", "Decision", "Field", "PolicyState", "StepSummary"]
 
 
 class Field(enum.IntEnum):

@@ -7,7 +7,6 @@ does the communication and its result is returned unchanged, so pacing never cha
 The hot path is one clock mark and an append per bucket; only the last bucket gets a Python callback.
 """
 
-
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any

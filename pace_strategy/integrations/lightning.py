@@ -144,7 +144,7 @@ def _metrics_sink(trainer: Any) -> Any:
     return sink
 
 
-def _make_strategy_class(pl_module: str) -> type:
+def _make_strategy_class(pl_module: str) -> Any:
     strategies = importlib.import_module(f"{pl_module}.strategies")
     ddp_cls = strategies.DDPStrategy
 
@@ -169,19 +169,19 @@ def _make_strategy_class(pl_module: str) -> type:
                 strategy_registry.register(
                     name,
                     cls,
-                    description=f"DDP with skew monitoring and adaptive pacing, start method {start_method!r}",
+                    description=f"DDP with skew monitoring and adaptive pacing ({start_method!r} start)",
                     override=True,
                     start_method=start_method,
                 )
 
     PacedDDPStrategy.__module__ = __name__
-    PacedDDPStrategy.__qualname__ = "PacedDDPStrategy" if pl_module == "lightning.pytorch" else (
-        "PLPacedDDPStrategy"
+    PacedDDPStrategy.__qualname__ = (
+        "PacedDDPStrategy" if pl_module == "lightning.pytorch" else ("PLPacedDDPStrategy")
     )
     return PacedDDPStrategy
 
 
-def _make_inject_callback(pl_module: str) -> type:
+def _make_inject_callback(pl_module: str) -> Any:
     callback_cls = importlib.import_module(pl_module).Callback
 
     class InjectStraggler(callback_cls):  # type: ignore[valid-type, misc]
@@ -199,8 +199,8 @@ def _make_inject_callback(pl_module: str) -> type:
             self.injected_ms += sleep_injected(self.stragglers, trainer.global_rank, trainer.global_step)
 
     InjectStraggler.__module__ = __name__
-    InjectStraggler.__qualname__ = "InjectStraggler" if pl_module == "lightning.pytorch" else (
-        "PLInjectStraggler"
+    InjectStraggler.__qualname__ = (
+        "InjectStraggler" if pl_module == "lightning.pytorch" else ("PLInjectStraggler")
     )
     return InjectStraggler
 
@@ -209,8 +209,8 @@ PacedDDPStrategy = _make_strategy_class("lightning.pytorch")
 InjectStraggler = _make_inject_callback("lightning.pytorch")
 
 try:  # the standalone package, when installed, gets its own classes
-    PLPacedDDPStrategy: type | None = _make_strategy_class("pytorch_lightning")
-    PLInjectStraggler: type | None = _make_inject_callback("pytorch_lightning")
+    PLPacedDDPStrategy: Any = _make_strategy_class("pytorch_lightning")
+    PLInjectStraggler: Any = _make_inject_callback("pytorch_lightning")
 except ImportError:
     PLPacedDDPStrategy = None
     PLInjectStraggler = None

@@ -162,7 +162,9 @@ def read_run_record(path: str | os.PathLike[str]) -> RunRecord:
     if p.is_dir():
         p = p / RECORD_FILENAME
     if not p.is_file():
-        raise RunRecordError(f"no run record at {p}: expected the {RECORD_FILENAME} that paced training writes")
+        raise RunRecordError(
+            f"no run record at {p}: expected the {RECORD_FILENAME} that paced training writes"
+        )
     lines = p.read_text(encoding="utf-8").splitlines()
     if not lines:
         raise RunRecordError(f"run record {p} is empty")

@@ -40,10 +40,13 @@ def _env_int(*names: str) -> int:
 def _cuda_numa_node(device: torch.device) -> int | None:
     try:
         props = torch.cuda.get_device_properties(device)
-        bus = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-        text = Path(f"/sys/bus/pci/devices/{bus}/numa_node").read_text().strip()
+        ids = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+        if any(i is None for i in ids):
+            return None
+        domain, bus, dev = (int(i) for i in ids)  # type: ignore[arg-type]
+        text = Path(f"/sys/bus/pci/devices/{domain:04x}:{bus:02x}:{dev:02x}.0/numa_node").read_text().strip()
         return int(text) if int(text) >= 0 else None
-    except (AttributeError, OSError, RuntimeError, ValueError):
+    except (OSError, RuntimeError, ValueError):
         return None
 
 

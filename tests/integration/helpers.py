@@ -1,0 +1,35 @@
+"""Run the demo training script in real processes and read back what it wrote."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+
+def run_demo(tmp_path: Path, *args: str, timeout: float = 150.0) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", "pace_strategy.demo", "--root", str(tmp_path / "runs"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def only_version_dir(tmp_path: Path, name: str = "demo") -> Path:
+    versions = sorted((tmp_path / "runs" / name).glob("version_*"))
+    assert len(versions) == 1, versions
+    return versions[0]
+
+
+def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
+    """Every scalar in the TensorBoard event files under ``log_dir``: tag -> {step: value}."""
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}

@@ -1,0 +1,106 @@
+"""Real Lightning Trainers, 2 CPU processes with gloo, through the demo script."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from pace_strategy.telemetry import TAGS, lead_tag, read_run_record
+from tests.integration.helpers import only_version_dir, read_scalars, run_demo
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(200)]
+
+COMMON = ("--devices", "2", "--compute-ms", "10", "--quiet")
+WARMUP = 5  # PacingConfig().warmup_steps
+
+
+def test_paced_ddp_telemetry_names_the_injected_straggler(tmp_path):
+    out = run_demo(tmp_path, *COMMON, "--steps", "60", "--straggler", "1:40", "--strategy", "paced_ddp")
+    assert out.returncode == 0, out.stderr[-4000:]
+    log_dir = only_version_dir(tmp_path)
+    scalars = read_scalars(log_dir)
+    for tag in (*TAGS, lead_tag(0), lead_tag(1)):
+        assert tag in scalars, f"missing {tag}; have {sorted(scalars)}"
+        assert sorted(scalars[tag]) == list(range(60)), f"{tag} not logged at every global step"
+    post = [s for s in range(60) if s >= WARMUP]
+    stragglers = [scalars["pace/straggler_rank"][s] for s in post]
+    assert sum(r == 1.0 for r in stragglers) / len(post) >= 0.9, stragglers
+    median_skew = statistics.median(scalars["pace/skew_ms"][s] for s in post)
+    assert abs(median_skew - 40.0) <= 0.3 * 40.0, median_skew
+    # the comm hook really fired: every post-warm-up step saw its sync point and its buckets
+    record = read_run_record(log_dir)
+    assert record.end["status"] == "completed"
+    assert [s["step"] for s in record.steps] == list(range(60))
+    assert all(s["valid"] and s["buckets"] >= 1 for s in record.steps)
+    assert [t["rank"] for t in record.header["topology"]] == [0, 1]
+    assert [t["local_rank"] for t in record.header["topology"]] == [0, 1]
+    # the demo's own summary table
+    assert "straggler             rank 1 in" in out.stdout
+    assert "pace_run.jsonl" in out.stdout
+
+
+def test_forced_pacing_gives_weights_identical_to_plain_ddp(tmp_path):
+    plain = tmp_path / "plain.pt"
+    paced = tmp_path / "paced.pt"
+    args = (*COMMON, "--steps", "30", "--straggler", "1:30")
+    a = run_demo(tmp_path, *args, "--strategy", "ddp", "--name", "plain", "--save-weights", str(plain))
+    assert a.returncode == 0, a.stderr[-4000:]
+    b = run_demo(
+        tmp_path,
+        *args,
+        "--strategy",
+        "paced_ddp",
+        "--name",
+        "paced",
+        "--save-weights",
+        str(paced),
+        "--pacing",
+        "mode=forced",
+        "--pacing",
+        "exchange_every_steps=4",
+        "--pacing",
+        "max_delay_step_fraction=0.5",
+    )
+    assert b.returncode == 0, b.stderr[-4000:]
+    record = read_run_record(only_version_dir(tmp_path, "paced"))
+    delays = [s["ranks"]["delay_ms"][0] for s in record.steps]
+    assert max(delays) > 1.0, f"pacing was never applied: {delays}"
+    wa, wb = torch.load(plain), torch.load(paced)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), f"{key} differs between plain and paced DDP"
+
+
+def test_a_rank_that_dies_mid_run_fails_the_others_quickly_and_keeps_the_record(tmp_path):
+    out = run_demo(
+        tmp_path,
+        *COMMON,
+        "--steps",
+        "200",
+        "--straggler",
+        "",
+        "--fail-at",
+        "1:12",
+        "--pacing",
+        "exchange_every_steps=4",
+        "--pacing",
+        "exchange_timeout_s=20",
+        timeout=120,
+    )
+    assert out.returncode != 0
+    assert "fault injection: exiting at step 12" in out.stdout
+    assert "[rank 0/2] pace_strategy: training failed after" in out.stderr
+    record = read_run_record(only_version_dir(tmp_path))
+    assert record.end is not None and record.end["status"] == "failed"
+    assert len(record.steps) >= 8  # windows exchanged before the failure were kept
+
+
+def test_bad_configuration_fails_before_training_with_the_field_named(tmp_path):
+    out = run_demo(tmp_path, *COMMON, "--steps", "5", "--pacing", "max_delay_ms=-5", timeout=60)
+    assert out.returncode != 0
+    assert "PacingConfig.max_delay_ms=-5" in out.stderr and ">= 0" in out.stderr
+    assert not (tmp_path / "runs").exists(), "nothing may start on bad configuration"
+    out = run_demo(tmp_path, *COMMON, "--steps", "5", "--pacing", "exchange_every_step=8", timeout=60)
+    assert "Did you mean 'exchange_every_steps'?" in out.stderr

@@ -1,0 +1,75 @@
+"""The Pacer on one process with a manual clock: what it measures and when it applies delays."""
+
+import torch
+
+from pace_strategy.core.clock import ManualClock
+from pace_strategy.core.config import PacingConfig
+from pace_strategy.core.pacer import Pacer
+
+
+def run_step(pacer, clock, step, data_ms=2.0, compute_ms=30.0, wait_ms=5.0, opt_ms=1.0):
+    clock.advance(data_ms)
+    pacer.begin_step(step)
+    clock.advance(compute_ms)
+    pacer.enter_sync()
+    pacer.note_bucket()
+    clock.advance(wait_ms)
+    done = pacer.sync_done_callback()
+    fut = torch.futures.Future()
+    fut.set_result(torch.zeros(1))
+    done(fut)
+    clock.advance(opt_ms)
+    return pacer.end_step()
+
+
+def test_measures_each_duration_of_the_step():
+    clock = ManualClock()
+    pacer = Pacer(PacingConfig(exchange_every_steps=4, warmup_steps=1), None, 0, 1, clock)
+    # The window's exchange is launched at the end of step 3 and collected at the end of step 4.
+    assert [run_step(pacer, clock, s) for s in range(4)] == [None] * 4
+    window = run_step(pacer, clock, 4)
+    assert window.window == 0 and [x.step for x in window.summaries] == [0, 1, 2, 3]
+    s = window.summaries[2]
+    assert s.step == 2 and s.valid and not s.warmup
+    assert s.compute_ms == (32.0,)  # data wait + compute, from the previous step's end
+    assert s.data_ms == (2.0,)
+    assert s.wait_ms == (5.0,)
+    assert s.rank_step_ms == (38.0,)
+    assert s.gap_ms == (1.0,)  # previous collective completion -> this step's start
+    assert s.buckets == 2
+    assert window.summaries[0].warmup and not window.summaries[1].warmup
+
+
+def test_forced_mode_applies_the_delay_before_the_first_bucket_only():
+    clock = ManualClock()
+    cfg = PacingConfig(mode="forced", exchange_every_steps=2, warmup_steps=0)
+    pacer = Pacer(cfg, None, 0, 1, clock)
+    # A single rank has no lead, so give the policy a delay directly: no delay is ever computed.
+    for s in range(4):
+        run_step(pacer, clock, s)
+    assert clock.delays_ms == []  # one rank: nothing to pace
+    pacer._delay_ms = 3.0
+    run_step(pacer, clock, 4)
+    assert clock.delays_ms == [3.0]
+
+
+def test_flush_exchanges_a_partial_window():
+    clock = ManualClock()
+    pacer = Pacer(PacingConfig(exchange_every_steps=10, warmup_steps=0), None, 0, 1, clock)
+    for s in range(3):
+        assert run_step(pacer, clock, s) is None
+    results = pacer.flush()
+    assert [len(r.summaries) for r in results] == [3]
+    assert [s.step for s in results[0].summaries] == [0, 1, 2]
+    assert pacer.flush() == []
+
+
+def test_a_step_without_the_sync_point_is_marked_invalid():
+    clock = ManualClock()
+    pacer = Pacer(PacingConfig(exchange_every_steps=1, warmup_steps=0), None, 0, 1, clock)
+    pacer.begin_step(0)
+    clock.advance(5.0)
+    pacer.end_step()
+    (result,) = pacer.flush()
+    assert not result.summaries[0].valid
+    assert result.stats.steps == 0
