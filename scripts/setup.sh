@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create .venv and install pace_strategy with its test tools. Idempotent; fast when nothing changed.
+# torch==2.13.0 is installed first when torch is absent: that is the CPU wheel on this machine's disk,
+# and it satisfies the package's torch range, so no multi-GB CUDA build is pulled.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+VENV="${VENV:-.venv}"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "setup: creating $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+stamp="$VENV/.pace-installed"
+want="$(cat pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    exit 0
+fi
+if ! "$PY" -c "import torch" 2>/dev/null; then
+    echo "setup: installing torch==2.13.0 (CPU wheel)"
+    "$PY" -m pip install --quiet "torch==2.13.0"
+fi
+echo "setup: installing pace_strategy and its dependencies into $VENV"
+"$PY" -m pip install --quiet -e ".[dev,accelerate]" 2> >(grep -v "is ignored: it is neither" >&2)
+echo "$want" > "$stamp"
