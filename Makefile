@@ -18,7 +18,7 @@ lint:
 	.venv/bin/mypy
 
 unit: setup
-	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit tests/dist
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit tests/distributed
 
 # The monitoring-overhead benchmark (not a test; several minutes).
 bench: setup

@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--save-weights", default=None, help="rank 0 saves the final state_dict here")
     p.add_argument("--fail-at", default=None, metavar="RANK:STEP", help="fault injection: RANK exits at STEP")
+    p.add_argument("--step-times", default=None, help="rank 0 writes its per-step wall times (JSON) here")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
@@ -127,6 +128,8 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         callbacks.append(_FailAt(int(rank), int(step)))
     if args.save_weights:
         callbacks.append(_SaveWeights(args.save_weights))
+    if args.step_times:
+        callbacks.append(_StepTimes(args.step_times))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -189,6 +192,26 @@ class _SaveWeights(_callback_base()):  # type: ignore[misc]
         if trainer.global_rank == 0:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             torch.save({k: v.detach().clone() for k, v in pl_module.state_dict().items()}, self.path)
+
+
+class _StepTimes(_callback_base()):  # type: ignore[misc]
+    """Rank 0 records the wall time between consecutive batch ends: the same ruler for every strategy."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_rank == 0:
+            self.ends.append(time.perf_counter())
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        import json
+
+        if trainer.global_rank == 0:
+            steps_ms = [(b - a) * 1e3 for a, b in zip(self.ends, self.ends[1:])]
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.path).write_text(json.dumps({"step_ms": steps_ms}))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,7 +10,7 @@ import torch
 from pace_strategy import PaceDistributedError, PaceTimeoutError, PacingConfig
 from pace_strategy.core.comm import gather_json
 from pace_strategy.core.pacer import Pacer
-from tests.dist.ranks import raise_first, run_ranks
+from tests.distributed.ranks import raise_first, run_ranks
 
 
 def train_steps(pacer, group, rank, steps, compute_ms):

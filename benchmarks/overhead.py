@@ -1,0 +1,143 @@
+"""Monitoring overhead: plain ``ddp`` vs ``paced_ddp`` monitor-only vs ``paced_ddp`` adaptive.
+
+Not a test: it prints what it measured. 4 CPU ranks (gloo), the demo's model and data in every arm,
+no injected straggler (this measures what monitoring costs, not what pacing does). Runs are
+interleaved (A B C, B C A, C A B, ...) so slow drifts of the machine hit every arm alike. Each run's
+step times come from one callback on rank 0 that every arm shares; the first ``--skip`` steps are
+dropped. Reported: the median over runs of each run's median step time, the spread of those run
+medians, and the ratio to plain ``ddp``. A second figure times the Pacer's per-step hot path alone.
+
+    python benchmarks/overhead.py                 # ~6 minutes on 2 cores
+    python benchmarks/overhead.py --repeats 2 --steps 120   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ARMS = {
+    "ddp": ["--strategy", "ddp"],
+    "paced monitor": ["--strategy", "paced_ddp", "--pacing", "mode=monitor"],
+    "paced adaptive": ["--strategy", "paced_ddp"],
+}
+
+
+def run_arm(arm: str, args: argparse.Namespace, workdir: Path, index: int) -> list[float]:
+    out = workdir / f"{index:02d}-{arm.replace(' ', '_')}.json"
+    cmd = [
+        sys.executable, "-m", "pace_strategy.demo", "--quiet",
+        "--devices", str(args.devices), "--steps", str(args.steps), "--straggler", "",
+        "--compute-ms", str(args.compute_ms), "--root", str(workdir / "runs"), "--name", f"run{index}",
+        "--step-times", str(out), *ARMS[arm],
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise SystemExit(f"{arm} run failed:\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text())["step_ms"][args.skip :]
+
+
+def hot_path_us(steps: int = 20000) -> float:
+    """Microseconds per step of the Pacer's per-step calls alone (single process, host clock)."""
+    import torch
+
+    from pace_strategy.core import HostClock, Pacer, PacingConfig
+
+    pacer = Pacer(PacingConfig(mode="monitor"), None, 0, 1, HostClock())
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(torch.zeros(1))
+    start = time.perf_counter()
+    for step in range(steps):
+        pacer.begin_step(step)
+        pacer.enter_sync()
+        pacer.note_bucket()
+        pacer.sync_done_callback()(fut)
+        pacer.end_step()
+    return (time.perf_counter() - start) / steps * 1e6
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5, help="runs per arm (interleaved)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--skip", type=int, default=30, help="warm-up steps dropped from each run")
+    p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--compute-ms", type=float, default=30.0, help="emulated accelerator time per step")
+    p.add_argument("--out", default="benchmarks/results/overhead.json")
+    args = p.parse_args()
+
+    arms = list(ARMS)
+    medians: dict[str, list[float]] = {a: [] for a in arms}
+    pooled: dict[str, list[float]] = {a: [] for a in arms}
+    total = args.repeats * len(arms)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="pace-bench-") as tmp:
+        index = 0
+        for rep in range(args.repeats):
+            order = arms[rep % len(arms) :] + arms[: rep % len(arms)]
+            for arm in order:
+                index += 1
+                times = run_arm(arm, args, Path(tmp), index)
+                medians[arm].append(statistics.median(times))
+                pooled[arm].extend(times)
+                print(
+                    f"[{index:>2}/{total}] {arm:<15} median {medians[arm][-1]:7.2f} ms "
+                    f"({len(times)} steps)  elapsed {time.monotonic() - t0:5.0f} s",
+                    flush=True,
+                )
+    hot = hot_path_us()
+    base = statistics.median(medians["ddp"])
+    rows = []
+    for arm in arms:
+        m = statistics.median(medians[arm])
+        rows.append(
+            {
+                "arm": arm,
+                "median_step_ms": m,
+                "run_medians_ms": medians[arm],
+                "spread_ms": [min(medians[arm]), max(medians[arm])],
+                "pooled_median_ms": statistics.median(pooled[arm]),
+                "ratio_to_ddp": m / base,
+                "pooled_ratio_to_ddp": statistics.median(pooled[arm]) / statistics.median(pooled["ddp"]),
+            }
+        )
+    header = (
+        f"\n{args.devices} CPU ranks, gloo, {args.steps} steps/run (first {args.skip} dropped), "
+        f"{args.repeats} interleaved runs per arm, emulated compute {args.compute_ms:g} ms/step"
+    )
+    print(header)
+    print(f"{'arm':<16}{'median step':>12}{'run spread':>20}{'ratio to ddp':>14}{'pooled ratio':>14}")
+    for r in rows:
+        spread = f"{r['spread_ms'][0]:.2f}-{r['spread_ms'][1]:.2f} ms"
+        print(
+            f"{r['arm']:<16}{r['median_step_ms']:>9.2f} ms{spread:>20}"
+            f"{r['ratio_to_ddp']:>14.4f}{r['pooled_ratio_to_ddp']:>14.4f}"
+        )
+    print(f"Pacer hot path alone: {hot:.1f} us per step (begin, enter_sync, 1 bucket, done, end)")
+    result = {
+        "benchmark": "overhead",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "command": "python " + " ".join(sys.argv),
+        "settings": vars(args),
+        "arms": rows,
+        "hot_path_us_per_step": hot,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
