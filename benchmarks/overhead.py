@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pace_strategy.telemetry.run_record import read_run_record
+
 ARMS = {
     "ddp": ["--strategy", "ddp"],
     "paced monitor": ["--strategy", "paced_ddp", "--pacing", "mode=monitor"],
@@ -32,7 +34,11 @@ ARMS = {
 }
 
 
-def run_arm(arm: str, args: argparse.Namespace, workdir: Path, index: int) -> list[float]:
+def run_arm(
+    arm: str, args: argparse.Namespace, workdir: Path, index: int
+) -> tuple[list[float], float | None]:
+    """One training run; returns rank 0's step times and, for paced arms, the pacer's own window cost
+    (microseconds per step, measured inside the run)."""
     out = workdir / f"{index:02d}-{arm.replace(' ', '_')}.json"
     cmd = [
         sys.executable, "-m", "pace_strategy.demo", "--quiet",
@@ -44,16 +50,23 @@ def run_arm(arm: str, args: argparse.Namespace, workdir: Path, index: int) -> li
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise SystemExit(f"{arm} run failed:\n{done.stderr[-3000:]}")
-    return json.loads(out.read_text())["step_ms"][args.skip :]
+    times = json.loads(out.read_text())["step_ms"][args.skip :]
+    records = list((workdir / "runs" / f"run{index}").glob("version_*/pace_run.jsonl"))
+    cost = None
+    if records:
+        end = read_run_record(records[0]).end or {}
+        cost = end.get("rank0_pacer_cost", {}).get("window_work_us_per_step")  # training-thread time
+    return times, cost
 
 
 def hot_path_us(steps: int = 20000) -> float:
-    """Microseconds per step of the Pacer's per-step calls alone (single process, host clock)."""
+    """Microseconds per step of the Pacer's per-step calls alone (single process, host clock, no window
+    ever closes: the window work is measured inside the real runs instead)."""
     import torch
 
     from pace_strategy.core import HostClock, Pacer, PacingConfig
 
-    pacer = Pacer(PacingConfig(mode="monitor"), None, 0, 1, HostClock())
+    pacer = Pacer(PacingConfig(mode="monitor", exchange_every_steps=10**9), None, 0, 1, HostClock())
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(torch.zeros(1))
     start = time.perf_counter()
@@ -78,6 +91,7 @@ def main() -> int:
 
     arms = list(ARMS)
     medians: dict[str, list[float]] = {a: [] for a in arms}
+    costs: dict[str, list[float]] = {a: [] for a in arms}
     pooled: dict[str, list[float]] = {a: [] for a in arms}
     total = args.repeats * len(arms)
     t0 = time.monotonic()
@@ -87,7 +101,9 @@ def main() -> int:
             order = arms[rep % len(arms) :] + arms[: rep % len(arms)]
             for arm in order:
                 index += 1
-                times = run_arm(arm, args, Path(tmp), index)
+                times, cost = run_arm(arm, args, Path(tmp), index)
+                if cost is not None:
+                    costs[arm].append(cost)
                 medians[arm].append(statistics.median(times))
                 pooled[arm].extend(times)
                 print(
@@ -109,6 +125,7 @@ def main() -> int:
                 "pooled_median_ms": statistics.median(pooled[arm]),
                 "ratio_to_ddp": m / base,
                 "pooled_ratio_to_ddp": statistics.median(pooled[arm]) / statistics.median(pooled["ddp"]),
+                "rank0_window_work_us_per_step": statistics.median(costs[arm]) if costs[arm] else None,
             }
         )
     header = (
@@ -123,11 +140,23 @@ def main() -> int:
             f"{r['arm']:<16}{r['median_step_ms']:>9.2f} ms{spread:>20}"
             f"{r['ratio_to_ddp']:>14.4f}{r['pooled_ratio_to_ddp']:>14.4f}"
         )
-    print(f"Pacer hot path alone: {hot:.1f} us per step (begin, enter_sync, 1 bucket, done, end)")
+    print(f"Pacer per-step hot path alone: {hot:.1f} us per step (begin, enter_sync, 1 bucket, done, end)")
+    for r in rows:
+        work = r["rank0_window_work_us_per_step"]
+        if work is not None:
+            us = work + hot
+            print(
+                f"{r['arm']}: rank 0 window work {work:.1f} us/step (measured inside the runs); "
+                f"with the hot path {us:.1f} us/step = {us / 1e3 / base:.3%} of the ddp step time"
+            )
     result = {
         "benchmark": "overhead",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
         "command": "python " + " ".join(sys.argv),
         "settings": vars(args),
         "arms": rows,

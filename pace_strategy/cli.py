@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -21,7 +22,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] not in ("demo",):
         parser.parse_args(argv or ["--help"])
         return 2
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    level = os.environ.get("PACE_LOG_LEVEL", "WARNING").upper()
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pace_strategy").setLevel(level)
     from pace_strategy.core.errors import PacingConfigError
 
     try:

@@ -209,7 +209,7 @@ class _StepTimes(_callback_base()):  # type: ignore[misc]
         import json
 
         if trainer.global_rank == 0:
-            steps_ms = [(b - a) * 1e3 for a, b in zip(self.ends, self.ends[1:])]
+            steps_ms = [(b - a) * 1e3 for a, b in zip(self.ends[:-1], self.ends[1:], strict=True)]
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             Path(self.path).write_text(json.dumps({"step_ms": steps_ms}))
 

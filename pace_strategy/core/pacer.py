@@ -9,6 +9,8 @@ optimizer step). The hot path is a clock mark and an append; everything else hap
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,9 +25,9 @@ from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PaceDistributedError
 from pace_strategy.core.policy import PacingPolicy
 from pace_strategy.core.records import NUM_FIELDS, Decision, Field, StepSummary
-from pace_strategy.core.skew import WindowStats, coefficient_of_variation, window_stats
+from pace_strategy.core.skew import WindowStats, window_stats
 
-__all__ = ["Pacer", "WindowResult"]
+__all__ = ["Pacer", "StepSummarizer", "WindowResult"]
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +54,10 @@ class WindowResult:
     """What one exchanged window produced: per-step summaries (for telemetry) and the new decision."""
 
     window: int
-    summaries: tuple[StepSummary, ...]
+    summaries: tuple[StepSummary, ...]  #: empty when the Pacer was built with ``summaries=False``
     stats: WindowStats
     decision: Decision
+    gathered: torch.Tensor  #: the raw window, ``[world_size, steps, NUM_FIELDS]`` float64
     warnings: tuple[str, ...] = ()
 
 
@@ -68,6 +71,8 @@ class Pacer:
         rank: this rank's index in ``group``.
         world_size: number of ranks in ``group``.
         clock: how durations are measured (:func:`~pace_strategy.core.clock.clock_for_device`).
+        summaries: build the per-step :class:`StepSummary` records (needed only where telemetry is
+            written, i.e. rank 0; decisions do not depend on them).
     """
 
     def __init__(
@@ -77,6 +82,7 @@ class Pacer:
         rank: int,
         world_size: int,
         clock: Clock | None = None,
+        summaries: bool = True,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
@@ -94,9 +100,13 @@ class Pacer:
         self._steps_seen = 0
         self._window = 0
         self._delay_ms = 0.0
-        self._step_times: deque[float] = deque(maxlen=config.cv_window_steps)
+        self.summarizer = StepSummarizer(config.cv_window_steps)
         self._watch = _StragglerWatch(config, self.clock)
+        self._build_summaries = summaries
         self.hook_calls = 0  #: gradient buckets seen by the comm hook (a cheap liveness check)
+        self.window_work_ns = 0  #: host time spent resolving, exchanging and deciding windows
+        self.exchange_wait_ns = 0  #: part of window_work_ns spent blocked waiting for the all-gather
+        self.flush_ns = 0  #: host time spent in flush() (end of training; includes waiting for peers)
 
     # ------------------------------------------------------------------ hot path (every step)
     @property
@@ -195,6 +205,16 @@ class Pacer:
     # ------------------------------------------------------------------ per window
     def flush(self) -> list[WindowResult]:
         """Exchange everything not yet exchanged (end of training). Every rank must call it."""
+        started = time.perf_counter_ns()
+        work_before, wait_before = self.window_work_ns, self.exchange_wait_ns
+        try:
+            return self._flush_untimed()
+        finally:
+            # Counted apart: waiting here for the slowest rank to finish training is not a per-step cost.
+            self.flush_ns += time.perf_counter_ns() - started
+            self.window_work_ns, self.exchange_wait_ns = work_before, wait_before
+
+    def _flush_untimed(self) -> list[WindowResult]:
         results = []
         if self._pending is not None:
             results.append(self._complete(self._pending))
@@ -204,6 +224,15 @@ class Pacer:
         return results
 
     def _launch(self, count: int) -> PendingGather:
+        started = time.perf_counter_ns()
+        try:
+            return self._launch_untimed(count)
+        finally:
+            elapsed_ns = time.perf_counter_ns() - started
+            self.window_work_ns += elapsed_ns
+            log.debug("window %d: launched in %.3f ms", self._window, elapsed_ns / 1e6)
+
+    def _launch_untimed(self, count: int) -> PendingGather:
         steps, self._unresolved = self._unresolved[:count], self._unresolved[count:]
         rows = torch.tensor([self._resolve(s) for s in steps], dtype=torch.float64)
         return self.exchange.start(rows, steps[0].step, steps[-1].step)
@@ -228,7 +257,20 @@ class Pacer:
         return row
 
     def _complete(self, pending: PendingGather) -> WindowResult:
+        started = time.perf_counter_ns()
+        try:
+            return self._complete_untimed(pending)
+        finally:
+            elapsed_ns = time.perf_counter_ns() - started
+            self.window_work_ns += elapsed_ns
+            log.debug("window %d: completed in %.3f ms", self._window - 1, elapsed_ns / 1e6)
+
+    def _complete_untimed(self, pending: PendingGather) -> WindowResult:
+        started = time.perf_counter_ns()
         gathered = self.exchange.wait(pending)
+        waited_ns = time.perf_counter_ns() - started
+        self.exchange_wait_ns += waited_ns
+        log.debug("window %d: waited %.3f ms for the exchange", self._window, waited_ns / 1e6)
         labels = gathered[:, :, Field.STEP]
         if not bool((labels == labels[0:1]).all()):
             raise PaceDistributedError(
@@ -241,57 +283,98 @@ class Pacer:
         stats = window_stats(self._window, gathered)
         decision = self.policy.update(stats)
         self._delay_ms = decision.delays_ms[self.rank]
-        summaries = self._summaries(gathered)
+        summaries = self.summarizer.summarize(gathered) if self._build_summaries else ()
         warnings = self._watch.check(stats)
         self._window += 1
         return WindowResult(
-            window=stats.window, summaries=summaries, stats=stats, decision=decision, warnings=warnings
+            window=stats.window,
+            summaries=summaries,
+            stats=stats,
+            decision=decision,
+            gathered=gathered,
+            warnings=warnings,
         )
 
-    def _summaries(self, g: torch.Tensor) -> tuple[StepSummary, ...]:
+
+class StepSummarizer:
+    """Turns gathered windows into per-step :class:`StepSummary` records, in order.
+
+    Keeps the rolling step-time CV across windows, so one summarizer must see every window once.
+    """
+
+    def __init__(self, cv_window_steps: int) -> None:
+        self._cv = _RollingCV(cv_window_steps)
+
+    def summarize(self, g: torch.Tensor) -> tuple[StepSummary, ...]:
+        """Summaries of the steps of one gathered window ``[world_size, steps, NUM_FIELDS]``."""
+        # Columns become Python lists once: per-element tensor indexing would cost ~100 us per step.
         wait = g[:, :, Field.WAIT_MS]
         wmin, wmax = wait.amin(dim=0), wait.amax(dim=0)
-        leads = wait - wmin
-        straggler = wait.argmin(dim=0)
-        compute_straggler = g[:, :, Field.COMPUTE_MS].argmax(dim=0)
-        step_ms = g[:, :, Field.STEP_MS].amax(dim=0)
-        delay_max = g[:, :, Field.DELAY_MS].amax(dim=0)
-        cols = {
-            f: g[:, :, f].T.tolist()
-            for f in (Field.COMPUTE_MS, Field.DELAY_MS, Field.STEP_MS, Field.DATA_MS, Field.GAP_MS)
-        }
-        waits, lead_rows = wait.T.tolist(), leads.T.tolist()
+        per_rank = {f: g[:, :, f].T.tolist() for f in Field}
+        leads = (wait - wmin).T.tolist()
+        valid = (g[:, :, Field.VALID] > 0).all(dim=0).tolist()
+        warm = (g[:, :, Field.WARMUP] > 0).any(dim=0).tolist()
+        straggler = wait.argmin(dim=0).tolist()
+        compute_straggler = g[:, :, Field.COMPUTE_MS].argmax(dim=0).tolist()
+        step_ms = g[:, :, Field.STEP_MS].amax(dim=0).tolist()
+        delay_max = g[:, :, Field.DELAY_MS].amax(dim=0).tolist()
+        buckets = g[:, :, Field.BUCKETS].amax(dim=0).tolist()
+        wmin_l, wmax_l = wmin.tolist(), wmax.tolist()
         out = []
         for i in range(g.shape[1]):
-            valid = bool((g[:, i, Field.VALID] > 0).all())
-            warm = bool((g[:, i, Field.WARMUP] > 0).any())
-            if valid and not warm:
-                self._step_times.append(float(step_ms[i]))
+            if valid[i] and not warm[i]:
+                self._cv.add(step_ms[i])
             out.append(
                 StepSummary(
-                    step=int(g[0, i, Field.STEP]),
-                    valid=valid,
-                    warmup=warm,
-                    skew_ms=float(wmax[i] - wmin[i]),
+                    step=int(per_rank[Field.STEP][i][0]),
+                    valid=bool(valid[i]),
+                    warmup=bool(warm[i]),
+                    skew_ms=wmax_l[i] - wmin_l[i],
                     straggler_rank=int(straggler[i]),
                     compute_straggler_rank=int(compute_straggler[i]),
-                    step_ms=float(step_ms[i]),
-                    step_cv=coefficient_of_variation(list(self._step_times)),
-                    wait_ms_min=float(wmin[i]),
-                    wait_ms_max=float(wmax[i]),
-                    delay_ms_max=float(delay_max[i]),
-                    pacing_active=float(delay_max[i]) > 0.0,
-                    lead_ms=tuple(lead_rows[i]),
-                    compute_ms=tuple(cols[Field.COMPUTE_MS][i]),
-                    wait_ms=tuple(waits[i]),
-                    delay_ms=tuple(cols[Field.DELAY_MS][i]),
-                    rank_step_ms=tuple(cols[Field.STEP_MS][i]),
-                    data_ms=tuple(cols[Field.DATA_MS][i]),
-                    gap_ms=tuple(cols[Field.GAP_MS][i]),
-                    buckets=int(g[:, i, Field.BUCKETS].max()),
+                    step_ms=step_ms[i],
+                    step_cv=self._cv.value(),
+                    wait_ms_min=wmin_l[i],
+                    wait_ms_max=wmax_l[i],
+                    delay_ms_max=delay_max[i],
+                    pacing_active=delay_max[i] > 0.0,
+                    lead_ms=tuple(leads[i]),
+                    compute_ms=tuple(per_rank[Field.COMPUTE_MS][i]),
+                    wait_ms=tuple(per_rank[Field.WAIT_MS][i]),
+                    delay_ms=tuple(per_rank[Field.DELAY_MS][i]),
+                    rank_step_ms=tuple(per_rank[Field.STEP_MS][i]),
+                    data_ms=tuple(per_rank[Field.DATA_MS][i]),
+                    gap_ms=tuple(per_rank[Field.GAP_MS][i]),
+                    buckets=int(buckets[i]),
                 )
             )
         return tuple(out)
+
+
+class _RollingCV:
+    """Coefficient of variation over the last ``size`` values, O(1) per value."""
+
+    def __init__(self, size: int) -> None:
+        self._values: deque[float] = deque(maxlen=size)
+        self._sum = 0.0
+        self._sumsq = 0.0
+
+    def add(self, value: float) -> None:
+        if len(self._values) == self._values.maxlen:
+            old = self._values[0]
+            self._sum -= old
+            self._sumsq -= old * old
+        self._values.append(value)
+        self._sum += value
+        self._sumsq += value * value
+
+    def value(self) -> float:
+        n = len(self._values)
+        if n < 2 or self._sum <= 0.0:
+            return 0.0
+        mean = self._sum / n
+        var = max(self._sumsq / n - mean * mean, 0.0)
+        return math.sqrt(var) / mean
 
 
 class _StragglerWatch:

@@ -126,10 +126,14 @@ class RunRecordWriter:
             lines.append(decision_line(decision, last))
         self._write(lines)
 
-    def close(self, status: str = "completed", error: str | None = None) -> None:
+    def close(
+        self, status: str = "completed", error: str | None = None, extra: Mapping[str, Any] | None = None
+    ) -> None:
         if self._file is None:
             return
-        self._write([{"record": "end", "status": status, "error": error, "steps": self.steps_written}])
+        end = {"record": "end", "status": status, "error": error, "steps": self.steps_written}
+        end.update(extra or {})
+        self._write([end])
         self._file.close()
         self._file = None
 

@@ -25,7 +25,9 @@ def run_ranks(
     def body(rank: int) -> None:
         try:
             # One store client per thread: a TCPStore client is not safe to share between threads.
-            client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+            client = dist.TCPStore(
+                "127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=timeout_s)
+            )
             group = dist.ProcessGroupGloo(
                 dist.PrefixStore(prefix, client), rank, world_size, timedelta(seconds=timeout_s)
             )

@@ -52,8 +52,14 @@ def test_injected_straggler_is_detected_by_every_rank_identically():
 
 @pytest.mark.timeout(60)
 def test_forced_pacing_decisions_agree_and_delay_only_leading_ranks():
-    cfg = PacingConfig(mode="forced", exchange_every_steps=4, warmup_steps=1, max_delay_ms=10.0,
-                       max_delay_step_fraction=0.5, persist_fraction=0.5)
+    cfg = PacingConfig(
+        mode="forced",
+        exchange_every_steps=4,
+        warmup_steps=1,
+        max_delay_ms=10.0,
+        max_delay_step_fraction=0.5,
+        persist_fraction=0.5,
+    )
 
     def fn(rank, group):
         pacer = Pacer(cfg, group, rank, 3)
@@ -119,5 +125,7 @@ def test_a_dead_rank_makes_the_others_fail_at_once_with_a_clear_error():
 
 @pytest.mark.timeout(30)
 def test_gather_json_collects_every_rank():
-    results = raise_first(run_ranks(3, lambda rank, g: gather_json(g, rank, 3, {"rank": rank, "h": "x" * rank}, 10)))
+    results = raise_first(
+        run_ranks(3, lambda rank, g: gather_json(g, rank, 3, {"rank": rank, "h": "x" * rank}, 10))
+    )
     assert results[0] == results[1] == results[2] == [{"rank": r, "h": "x" * r} for r in range(3)]

@@ -1,0 +1,99 @@
+"""The comm-hook wrapper on a bare torch DDP loop, two real processes (gloo, file store).
+
+It must compose over a user's hook: paced (with delays forced on) and unpaced runs of DDP with
+torch's fp16-compression hook end with bit-identical weights, and the wrapped hook really ran.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+WORLD = 2
+STEPS = 12
+
+
+def _train(rank: int, store_path: str, out_dir: str, paced: bool) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from pace_strategy import Pacer, PacingConfig, register_paced_hook
+    from pace_strategy.session import side_group
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        calls = {"fp16": 0}
+
+        def counting_fp16(state, bucket):
+            calls["fp16"] += 1
+            return default_hooks.fp16_compress_hook(state, bucket)
+
+        pacer = None
+        if paced:
+            cfg = PacingConfig(mode="forced", exchange_every_steps=2, warmup_steps=1,
+                               max_delay_step_fraction=0.5, persist_fraction=0.5)  # fmt: skip
+            pacer = Pacer(cfg, side_group(cfg), rank, WORLD)
+            register_paced_hook(model, pacer, counting_fp16, None)
+        else:
+            model.register_comm_hook(None, counting_fp16)
+        g = torch.Generator().manual_seed(100 + rank)
+        delays = []
+        for step in range(STEPS):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            if pacer is not None:
+                pacer.begin_step(step)
+            if rank == 1:
+                time.sleep(0.03)  # rank 1 is 30 ms slower
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if pacer is not None:
+                pacer.end_step()
+                delays.append(pacer.delay_ms)
+        if pacer is not None:
+            pacer.flush()
+        if rank == 0:
+            torch.save(
+                {"state": model.module.state_dict(), "fp16_calls": calls["fp16"], "delays": delays},
+                os.path.join(out_dir, f"{'paced' if paced else 'plain'}.pt"),
+            )
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _run(tmp_path, paced: bool) -> dict:
+    store = tmp_path / f"store-{paced}"
+    ctx = mp.start_processes(
+        _train, args=(str(store), str(tmp_path), paced), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    try:
+        while not ctx.join(timeout=60):
+            pass
+    except Exception as error:
+        errors = [p.read_text() for p in sorted(tmp_path.glob("error*.txt"))]
+        raise AssertionError("\n".join(errors) or str(error)) from error
+    return torch.load(tmp_path / f"{'paced' if paced else 'plain'}.pt")
+
+
+def test_wrapped_user_hook_runs_and_weights_match_unpaced(tmp_path):
+    plain = _run(tmp_path, paced=False)
+    paced = _run(tmp_path, paced=True)
+    assert paced["fp16_calls"] == plain["fp16_calls"] >= STEPS  # the user's hook ran inside ours
+    assert max(paced["delays"]) > 1.0, f"no delay was applied: {paced['delays']}"
+    for key, value in plain["state"].items():
+        assert torch.equal(value, paced["state"][key]), key
