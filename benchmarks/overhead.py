@@ -41,11 +41,26 @@ def run_arm(
     (microseconds per step, measured inside the run)."""
     out = workdir / f"{index:02d}-{arm.replace(' ', '_')}.json"
     cmd = [
-        sys.executable, "-m", "pace_strategy.demo", "--quiet",
-        "--devices", str(args.devices), "--steps", str(args.steps), "--straggler", "",
-        "--compute-ms", str(args.compute_ms), "--root", str(workdir / "runs"), "--name", f"run{index}",
-        "--step-times", str(out), *ARMS[arm],
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pace_strategy.demo",
+        "--quiet",
+        "--devices",
+        str(args.devices),
+        "--steps",
+        str(args.steps),
+        "--straggler",
+        "",
+        "--compute-ms",
+        str(args.compute_ms),
+        "--root",
+        str(workdir / "runs"),
+        "--name",
+        f"run{index}",
+        "--step-times",
+        str(out),
+        *ARMS[arm],
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:

@@ -1,4 +1,4 @@
-"""The ``pace`` command: ``pace demo`` (more subcommands arrive with diagnosis and simulation)."""
+"""The ``pace`` command: ``pace demo`` and ``pace diagnose``."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"pace_strategy {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("demo", help="multi-process CPU training with an injected straggler", add_help=False)
-    if not argv or argv[0] not in ("demo",):
+    sub.add_parser("diagnose", help="name the failure mode of a recorded run, with plots", add_help=False)
+    if not argv or argv[0] not in ("demo", "diagnose"):
         parser.parse_args(argv or ["--help"])
         return 2
     level = os.environ.get("PACE_LOG_LEVEL", "WARNING").upper()
@@ -27,6 +28,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("pace_strategy").setLevel(level)
     from pace_strategy.core.errors import PacingConfigError
 
+    if argv[0] == "diagnose":
+        from pace_strategy.diagnose import command
+
+        return command.main(argv[1:])
     try:
         from pace_strategy import demo
 

@@ -23,9 +23,22 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pace demo",
         description="Train a small model on CPU ranks with an injected straggler and report the skew.",
     )
-    p.add_argument("--devices", type=int, default=4, help="CPU processes (ranks); default 4")
+    p.add_argument("--devices", type=int, default=4, help="CPU processes (ranks) per node; default 4")
+    p.add_argument(
+        "--num-nodes",
+        type=int,
+        default=1,
+        help="nodes (launch one process group per node with NODE_RANK set)",
+    )
     p.add_argument("--steps", type=int, default=200, help="optimizer steps; default 200")
     p.add_argument("--straggler", default="2:30", help="RANK:MS[:PROB],... injected delay; '' for none")
+    p.add_argument(
+        "--straggler-local",
+        default="",
+        metavar="LOCAL:MS[:PROB]",
+        help="slow this local rank index on every node (locality)",
+    )
+    p.add_argument("--data-delay", default="", metavar="RANK:MS[:PROB]", help="slow data loader on one rank")
     p.add_argument(
         "--compute-ms", type=float, default=20.0, help="emulated accelerator time per step (sleep)"
     )
@@ -81,7 +94,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
     from pace_strategy.core.config import PacingConfig
     from pace_strategy.core.errors import PacingConfigError
-    from pace_strategy.inject import parse_stragglers
+    from pace_strategy.inject import Straggler, parse_stragglers
     from pace_strategy.integrations.lightning import InjectStraggler, PacedDDPStrategy
 
     compute_s = args.compute_ms / 1e3
@@ -106,10 +119,15 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
-    n = args.steps * args.batch_size * args.devices
+    n = args.steps * args.batch_size * args.devices * args.num_nodes
     g = torch.Generator().manual_seed(1234)
     data = TensorDataset(torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g))
-    loader = DataLoader(data, batch_size=args.batch_size, shuffle=False)
+    loader = DataLoader(
+        data,
+        batch_size=args.batch_size,
+        shuffle=False,
+        collate_fn=_SlowCollate(parse_stragglers(args.data_delay)),
+    )
 
     overrides = _pacing_overrides(args.pacing)
     strategy: Any = args.strategy  # a registered name: "paced_ddp" uses the default PacingConfig
@@ -120,6 +138,15 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         raise PacingConfigError(f"--pacing needs a paced strategy, not --strategy {args.strategy!r}")
     callbacks: list[Any] = []
     stragglers = parse_stragglers(args.straggler or "")
+    if args.straggler_local:
+        # local index -> global ranks, as the launcher numbers them: node_rank * devices + local_rank
+        for s in parse_stragglers(args.straggler_local):
+            for node in range(args.num_nodes):
+                stragglers.append(
+                    Straggler(
+                        rank=node * args.devices + s.rank, delay_ms=s.delay_ms, probability=s.probability
+                    )
+                )
     if stragglers:
         callbacks.append(InjectStraggler(stragglers))
     callbacks.append(_Progress(args.steps, quiet=args.quiet))
@@ -133,6 +160,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=args.devices,
+        num_nodes=args.num_nodes,
         strategy=strategy,
         max_steps=args.steps,
         max_epochs=-1,
@@ -151,6 +179,27 @@ def _callback_base() -> type:
     import lightning as L
 
     return L.Callback
+
+
+class _SlowCollate:
+    """Default collation, plus an injected input delay on chosen ranks (a slow data loader)."""
+
+    def __init__(self, stragglers: Sequence[Any]) -> None:
+        self.stragglers = list(stragglers)
+        self.calls = 0
+
+    def __call__(self, items: Any) -> Any:
+        from torch.utils.data import default_collate
+
+        if self.stragglers:
+            import torch.distributed as dist
+
+            from pace_strategy.inject import sleep_injected
+
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            sleep_injected(self.stragglers, rank, self.calls)
+        self.calls += 1
+        return default_collate(items)
 
 
 class _Progress(_callback_base()):  # type: ignore[misc]

@@ -139,6 +139,17 @@ class PacingSession:
             raise
         self._close("completed", None)
 
+    def close(self) -> None:
+        """Close locally without the final exchange (the run ended without ``finish``); idempotent."""
+        if self._finished:
+            return
+        self._finished = True
+        self._close("completed", None)
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
     def fail(self, error: BaseException) -> None:
         """Training failed on this rank: close the run record without any collective (peers may be gone)."""
         if self._finished:

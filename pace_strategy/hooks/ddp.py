@@ -1,11 +1,11 @@
 """A DDP communication hook that wraps any other hook: times the buckets and applies the pacing delay.
 
-(No ``from __future__ import annotations`` here: DDP checks the hook's annotations at run time.)
-
 It composes: the wrapped hook (the default all-reduce, or a user's hook such as fp16 compression)
 does the communication and its result is returned unchanged, so pacing never changes the gradients.
 The hot path is one clock mark and an append per bucket; only the last bucket gets a Python callback.
 """
+
+# No ``from __future__ import annotations`` here: DDP checks the hook's annotations at run time.
 
 from collections.abc import Callable
 from dataclasses import dataclass

@@ -117,10 +117,9 @@ class _PacedDDPBody:
         super().on_exception(exception)  # type: ignore[misc]
 
     def teardown(self) -> None:
-        if self.pacing_session is not None and not self.pacing_session._finished:
-            # Teardown without on_train_end (e.g. trainer.validate after fit): close locally.
-            self.pacing_session._finished = True
-            self.pacing_session._close("completed", None)
+        if self.pacing_session is not None:
+            # Teardown without on_train_end (fit stopped early, or never trained): close locally.
+            self.pacing_session.close()
         self.pacing_session = None
         super().teardown()  # type: ignore[misc]
 

@@ -41,7 +41,12 @@ class RunRecordError(ValueError):
 
 
 def _clean(value: float) -> float | None:
-    return value if math.isfinite(value) else None
+    # Microsecond resolution is plenty and keeps a 100k-step, 64-rank record to a few hundred MB.
+    return round(value, 3) if math.isfinite(value) else None
+
+
+def _cleans(values: Iterable[float]) -> list[float | None]:
+    return [_clean(v) for v in values]
 
 
 def step_line(s: StepSummary) -> dict[str, Any]:
@@ -62,13 +67,13 @@ def step_line(s: StepSummary) -> dict[str, Any]:
         "pacing_active": s.pacing_active,
         "buckets": s.buckets,
         "ranks": {
-            "lead_ms": list(s.lead_ms),
-            "compute_ms": list(s.compute_ms),
-            "wait_ms": list(s.wait_ms),
-            "delay_ms": list(s.delay_ms),
-            "step_ms": list(s.rank_step_ms),
-            "data_ms": list(s.data_ms),
-            "gap_ms": list(s.gap_ms),
+            "lead_ms": _cleans(s.lead_ms),
+            "compute_ms": _cleans(s.compute_ms),
+            "wait_ms": _cleans(s.wait_ms),
+            "delay_ms": _cleans(s.delay_ms),
+            "step_ms": _cleans(s.rank_step_ms),
+            "data_ms": _cleans(s.data_ms),
+            "gap_ms": _cleans(s.gap_ms),
         },
     }
 

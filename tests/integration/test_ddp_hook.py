@@ -42,8 +42,13 @@ def _train(rank: int, store_path: str, out_dir: str, paced: bool) -> None:
 
         pacer = None
         if paced:
-            cfg = PacingConfig(mode="forced", exchange_every_steps=2, warmup_steps=1,
-                               max_delay_step_fraction=0.5, persist_fraction=0.5)  # fmt: skip
+            cfg = PacingConfig(
+                mode="forced",
+                exchange_every_steps=2,
+                warmup_steps=1,
+                max_delay_step_fraction=0.5,
+                persist_fraction=0.5,
+            )
             pacer = Pacer(cfg, side_group(cfg), rank, WORLD)
             register_paced_hook(model, pacer, counting_fp16, None)
         else:

@@ -1,0 +1,16 @@
+"""Offline diagnosis of a run record: which failure mode, which ranks and hosts, with plots."""
+
+from pace_strategy.diagnose.arrays import RunArrays, find_run_record, load_arrays
+from pace_strategy.diagnose.config import DiagnosisConfig
+from pace_strategy.diagnose.findings import MODES, Diagnosis, Finding, diagnose
+
+__all__ = [
+    "MODES",
+    "Diagnosis",
+    "DiagnosisConfig",
+    "Finding",
+    "RunArrays",
+    "diagnose",
+    "find_run_record",
+    "load_arrays",
+]

@@ -1,0 +1,149 @@
+"""A run record as numpy arrays (steps x ranks), built in one pass over the JSON lines."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pace_strategy.telemetry.run_record import RECORD_FILENAME, SCHEMA, SCHEMA_VERSION, RunRecordError
+
+__all__ = ["RunArrays", "find_run_record", "load_arrays"]
+
+_RANK_FIELDS = ("wait_ms", "compute_ms", "delay_ms", "data_ms", "gap_ms", "step_ms")
+
+
+@dataclass
+class RunArrays:
+    """Post-warm-up, valid steps of one run. Per-rank arrays are ``[steps, ranks]`` float64, ms."""
+
+    path: Path
+    header: dict[str, Any]
+    end: dict[str, Any] | None
+    truncated: bool
+    total_steps: int  #: every step line in the record, warm-up and invalid included
+    step: np.ndarray  #: [S] global step
+    wait: np.ndarray
+    compute: np.ndarray
+    delay: np.ndarray
+    data: np.ndarray
+    gap: np.ndarray
+    rank_step: np.ndarray
+    step_ms: np.ndarray  #: [S] slowest rank's step time
+    pacing_active: np.ndarray  #: [S] bool
+    decisions: list[dict[str, Any]]
+
+    @property
+    def world_size(self) -> int:
+        return int(self.header["world_size"])
+
+    @property
+    def steps(self) -> int:
+        return int(self.step.shape[0])
+
+    def topology(self, key: str) -> list[Any]:
+        """One topology field per rank (``host``, ``node_rank``, ``local_rank`` ...)."""
+        topo = {int(t["rank"]): t for t in self.header.get("topology", [])}
+        return [topo.get(r, {}).get(key) for r in range(self.world_size)]
+
+    def describe_rank(self, rank: int) -> str:
+        host, local = self.topology("host")[rank], self.topology("local_rank")[rank]
+        parts = [f"host {host}" if host else None, f"local rank {local}" if local is not None else None]
+        inner = ", ".join(p for p in parts if p)
+        return f"rank {rank} ({inner})" if inner else f"rank {rank}"
+
+
+def find_run_record(run_dir: str | os.PathLike[str]) -> Path:
+    """The run record in ``run_dir``: the directory's own, or the single one below it."""
+    p = Path(run_dir)
+    if p.is_file():
+        return p
+    if not p.exists():
+        raise RunRecordError(f"{p} does not exist")
+    if (p / RECORD_FILENAME).is_file():
+        return p / RECORD_FILENAME
+    found = sorted(p.rglob(RECORD_FILENAME))
+    if not found:
+        raise RunRecordError(
+            f"no {RECORD_FILENAME} in {p} or below it: is this a pace_strategy run directory?"
+        )
+    if len(found) > 1:
+        listing = "\n".join(f"  {f.parent}" for f in found)
+        raise RunRecordError(f"{len(found)} run records under {p}; pass one of these directories:\n{listing}")
+    return found[0]
+
+
+def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
+    """Load a run record (file or directory) into arrays; tolerates a truncated last line."""
+    p = find_run_record(path)
+    with p.open("r", encoding="utf-8") as f:
+        lines = f.readlines()
+    if not lines:
+        raise RunRecordError(f"run record {p} is empty")
+    try:
+        header = json.loads(lines[0])
+    except json.JSONDecodeError as error:
+        raise RunRecordError(f"{p} line 1 is not valid JSON: {error}") from error
+    if header.get("record") != "header" or header.get("schema") != SCHEMA:
+        raise RunRecordError(f"{p} is not a pace_strategy run record (no {SCHEMA!r} header on line 1)")
+    if int(header.get("version", -1)) > SCHEMA_VERSION:
+        raise RunRecordError(f"{p} has schema version {header['version']}; upgrade pace_strategy to read it")
+    world = int(header["world_size"])
+    cols: dict[str, list[Any]] = {k: [] for k in _RANK_FIELDS}
+    steps, step_ms, active = [], [], []
+    decisions: list[dict[str, Any]] = []
+    end = None
+    truncated = False
+    total = 0
+    loads = json.loads
+    for number, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        try:
+            obj = loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines):
+                truncated = True
+                break
+            raise RunRecordError(f"{p} line {number} is not valid JSON: {error}") from error
+        kind = obj.get("record")
+        if kind == "step":
+            total += 1
+            if not obj["valid"] or obj["warmup"]:
+                continue
+            ranks = obj["ranks"]
+            for k in _RANK_FIELDS:
+                cols[k].append(ranks[k])
+            steps.append(obj["step"])
+            step_ms.append(obj["step_ms"])
+            active.append(obj["pacing_active"])
+        elif kind == "decision":
+            decisions.append(obj)
+        elif kind == "end":
+            end = obj
+
+    def arr(k: str) -> np.ndarray:
+        a = np.asarray(cols[k], dtype=np.float64)
+        return a.reshape(len(steps), world)
+
+    return RunArrays(
+        path=p,
+        header=header,
+        end=end,
+        truncated=truncated,
+        total_steps=total,
+        step=np.asarray(steps, dtype=np.int64),
+        wait=arr("wait_ms"),
+        compute=arr("compute_ms"),
+        delay=arr("delay_ms"),
+        data=arr("data_ms"),
+        gap=arr("gap_ms"),
+        rank_step=arr("step_ms"),
+        step_ms=np.asarray(step_ms, dtype=np.float64),
+        pacing_active=np.asarray(active, dtype=bool),
+        decisions=decisions,
+    )

@@ -1,0 +1,180 @@
+"""The diagnosis report: plots (matplotlib, Agg) and a self-contained HTML page plus Markdown."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pace_strategy.diagnose.arrays import RunArrays
+from pace_strategy.diagnose.config import DiagnosisConfig
+from pace_strategy.diagnose.findings import Diagnosis
+
+__all__ = ["PLOTS", "render_report"]
+
+PLOTS = ("skew", "lead_heatmap", "stragglers", "step_time", "delays")
+
+
+def _bin_steps(values: np.ndarray, max_columns: int) -> tuple[np.ndarray, np.ndarray]:
+    """Mean of ``values`` ([steps, ...]) over at most ``max_columns`` equal bins of steps."""
+    n = values.shape[0]
+    if n <= max_columns:
+        return np.arange(n), values
+    edges = np.linspace(0, n, max_columns + 1).astype(int)
+    binned = np.add.reduceat(values, edges[:-1], axis=0) / np.diff(edges).reshape(
+        -1, *([1] * (values.ndim - 1))
+    )
+    return edges[:-1], binned
+
+
+def _figures(a: RunArrays, cfg: DiagnosisConfig) -> dict[str, bytes]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out: dict[str, bytes] = {}
+    steps = a.step
+    transfer = a.wait.min(axis=1)
+    skew = a.wait.max(axis=1) - transfer
+    lead = a.wait - transfer[:, None]
+
+    def save(name: str, fig: Any) -> None:
+        buf = io.BytesIO()
+        fig.tight_layout()
+        fig.savefig(buf, format="png", dpi=110)
+        plt.close(fig)
+        out[name] = buf.getvalue()
+
+    idx, sk = _bin_steps(skew, cfg.max_heatmap_columns)
+    fig, ax = plt.subplots(figsize=(9, 3))
+    ax.plot(steps[idx], sk, lw=0.8, label="skew")
+    _, tr = _bin_steps(transfer, cfg.max_heatmap_columns)
+    ax.plot(steps[idx], tr, lw=0.8, alpha=0.7, label="transfer (min wait)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("ms")
+    ax.set_title("Skew at the sync point over steps")
+    ax.legend(loc="upper right")
+    save("skew", fig)
+
+    # ranks x steps, grouped by node; aggregated by node for very many ranks
+    nodes = [str(n) for n in a.topology("node_rank")]
+    local = [x if x is not None else r for r, x in enumerate(a.topology("local_rank"))]
+    order = sorted(range(a.world_size), key=lambda r: (nodes[r], local[r], r))
+    matrix = lead[:, order]
+    labels = [f"r{r}" for r in order]
+    if a.world_size > cfg.max_heatmap_rows:
+        groups: dict[str, list[int]] = {}
+        for col, r in enumerate(order):
+            groups.setdefault(nodes[r], []).append(col)
+        matrix = np.stack([matrix[:, cols].mean(axis=1) for cols in groups.values()], axis=1)
+        labels = [f"node {n}" for n in groups]
+    _, binned = _bin_steps(matrix, cfg.max_heatmap_columns)
+    fig, ax = plt.subplots(figsize=(9, max(2.5, min(8.0, 0.25 * len(labels) + 1.5))))
+    im = ax.imshow(binned.T, aspect="auto", interpolation="nearest", cmap="viridis")
+    ax.set_xlabel("step" if binned.shape[0] == matrix.shape[0] else f"step bin ({matrix.shape[0]} steps)")
+    if len(labels) <= 40:
+        ax.set_yticks(range(len(labels)), labels)
+    ax.set_ylabel("rank (grouped by node)" if len(labels) == a.world_size else "node (mean over its ranks)")
+    ax.set_title("Lead per rank (ms early at the sync point; 0 = straggler)")
+    fig.colorbar(im, ax=ax, label="lead ms")
+    save("lead_heatmap", fig)
+
+    counts = np.bincount(a.wait.argmin(axis=1), minlength=a.world_size) / max(a.steps, 1)
+    fig, ax = plt.subplots(figsize=(9, 3))
+    if a.world_size > cfg.max_heatmap_rows:
+        per_node: dict[str, float] = {}
+        for r in range(a.world_size):
+            per_node[nodes[r]] = per_node.get(nodes[r], 0.0) + counts[r]
+        ax.bar(range(len(per_node)), list(per_node.values()))
+        ax.set_xlabel("node")
+    else:
+        ax.bar(range(a.world_size), counts)
+        ax.set_xlabel("rank")
+    ax.set_ylabel("share of steps last")
+    ax.set_title("How often each rank was the straggler")
+    save("stragglers", fig)
+
+    fig, ax = plt.subplots(figsize=(9, 3))
+    paced = a.pacing_active
+    bins = np.linspace(np.percentile(a.step_ms, 0.5), np.percentile(a.step_ms, 99.5), 60).tolist()
+    ax.hist(a.step_ms[~paced], bins=bins, alpha=0.7, label=f"unpaced ({int((~paced).sum())} steps)")
+    if paced.any():
+        ax.hist(a.step_ms[paced], bins=bins, alpha=0.7, label=f"paced ({int(paced.sum())} steps)")
+    ax.set_xlabel("step time (ms)")
+    ax.set_ylabel("steps")
+    ax.set_title("Step-time distribution with and without pacing")
+    ax.legend()
+    save("step_time", fig)
+
+    _, dl = _bin_steps(a.delay.max(axis=1), cfg.max_heatmap_columns)
+    fig, ax = plt.subplots(figsize=(9, 2.6))
+    ax.plot(steps[idx], dl, lw=0.8, color="tab:red")
+    ax.set_xlabel("step")
+    ax.set_ylabel("ms")
+    ax.set_title("Largest pacing delay applied per step")
+    save("delays", fig)
+    return out
+
+
+def render_report(a: RunArrays, diagnosis: Diagnosis, out_dir: Path, cfg: DiagnosisConfig) -> dict[str, Path]:
+    """Write the PNG plots, ``report.html`` (self-contained) and ``report.md`` into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    figures = _figures(a, cfg)
+    paths: dict[str, Path] = {}
+    for name, png in figures.items():
+        path = out_dir / f"{name}.png"
+        path.write_bytes(png)
+        paths[name] = path
+    rows = "".join(
+        f"<tr><td><b>{html.escape(f.mode)}</b></td>"
+        f"<td>{html.escape(', '.join(map(str, f.ranks)) or '-')}</td>"
+        f"<td>{html.escape(', '.join(f.hosts) or '-')}</td><td>{f.confidence:.2f}</td>"
+        f"<td>{f.lost_step_fraction:.1%}</td><td>{html.escape(f.evidence)}</td><td>{html.escape(f.action)}</td></tr>"
+        for f in diagnosis.findings
+    )
+    images = "".join(
+        f'<h3>{name.replace("_", " ")}</h3><img alt="{name}" src="data:image/png;base64,'
+        f'{base64.b64encode(png).decode()}">'
+        for name, png in figures.items()
+    )
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in diagnosis.notes)
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>pace diagnose: {html.escape(str(a.path.parent))}</title>
+<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}img{{max-width:100%}}</style></head><body>
+<h1>pace diagnose</h1>
+<p>Run record <code>{html.escape(str(a.path))}</code>: {a.world_size} ranks, {a.steps:,} usable steps
+(of {a.total_steps:,}).</p>
+<h2>Summary</h2><p>{html.escape(diagnosis.summary)}</p>
+{f"<ul>{notes}</ul>" if notes else ""}
+<h2>Findings</h2>
+<table><tr><th>mode</th><th>ranks</th><th>hosts</th><th>confidence</th><th>lost step time</th>
+<th>evidence</th><th>action</th></tr>{rows}</table>
+<h2>Plots</h2>{images}
+<h2>Thresholds used</h2><pre>{html.escape(json.dumps(diagnosis.thresholds, indent=2))}</pre>
+</body></html>
+"""
+    paths["html"] = out_dir / "report.html"
+    paths["html"].write_text(page, encoding="utf-8")
+    md = [f"# pace diagnose\n\nRun record `{a.path}`: {a.world_size} ranks, {a.steps:,} usable steps.\n"]
+    md.append(f"## Summary\n\n{diagnosis.summary}\n")
+    md += [f"- note: {n}" for n in diagnosis.notes]
+    md.append("\n## Findings\n\n| mode | ranks | hosts | confidence | lost step time | evidence | action |")
+    md.append("|---|---|---|---|---|---|---|")
+    for f in diagnosis.findings:
+        md.append(
+            f"| {f.mode} | {', '.join(map(str, f.ranks)) or '-'} | {', '.join(f.hosts) or '-'} | "
+            f"{f.confidence:.2f} | {f.lost_step_fraction:.1%} | {f.evidence} | {f.action} |"
+        )
+    md.append("\n## Plots\n")
+    md += [f"![{name}]({name}.png)" for name in figures]
+    md.append("\n## Thresholds used\n\n```json\n" + json.dumps(diagnosis.thresholds, indent=2) + "\n```\n")
+    paths["markdown"] = out_dir / "report.md"
+    paths["markdown"].write_text("\n".join(md), encoding="utf-8")
+    return paths

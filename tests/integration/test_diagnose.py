@@ -1,0 +1,167 @@
+"""`pace diagnose` on real recorded runs (multi-process, gloo), one per failure mode."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pace_strategy.cli import main as cli_main
+from tests.integration.helpers import only_version_dir, run_demo
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+PACING = ("--pacing", "mode=monitor", "--pacing", "exchange_every_steps=8")
+
+
+def pace_diagnose(*args: str) -> tuple[int, str, str]:
+    """`pace diagnose ARGS` in this process (the CLI entry point itself; saves a Lightning import)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(["diagnose", *args])
+    return code, out.getvalue(), err.getvalue()
+
+
+def diagnose_json(run_dir: Path) -> dict:
+    code, out, err = pace_diagnose(str(run_dir), "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def modes(result: dict) -> list[str]:
+    return [f["mode"] for f in result["findings"]]
+
+
+def record(tmp_path: Path, name: str, *args: str) -> Path:
+    out = run_demo(tmp_path, "--quiet", "--name", name, "--compute-ms", "10", *PACING, *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return only_version_dir(tmp_path, name)
+
+
+def test_persistent_straggler(tmp_path):
+    run = record(tmp_path, "slow", "--devices", "4", "--steps", "50", "--straggler", "2:30")
+    result = diagnose_json(run)
+    top = result["findings"][0]
+    assert top["mode"] == "persistent_straggler" and top["ranks"] == [2], result["findings"]
+    assert "rank 2" in top["evidence"] and top["lost_step_fraction"] > 0.1
+    # the report renders and holds the plots
+    html = Path(result["report"]["html"]).read_text()
+    assert html.count("data:image/png;base64,") == 5
+    for plot in ("skew", "lead_heatmap", "stragglers", "step_time", "delays"):
+        assert Path(result["report"][plot]).stat().st_size > 1000
+
+
+def test_transient_stragglers_are_sync_amplification(tmp_path):
+    spec = ",".join(f"{r}:30:0.15" for r in range(4))
+    run = record(tmp_path, "transient", "--devices", "4", "--steps", "80", "--straggler", spec)
+    result = diagnose_json(run)
+    assert modes(result)[0] == "sync_amplification", result["findings"]
+
+
+def test_slow_data_loader(tmp_path):
+    run = record(
+        tmp_path, "data", "--devices", "2", "--steps", "50", "--straggler", "", "--data-delay", "1:30"
+    )
+    result = diagnose_json(run)
+    top = result["findings"][0]
+    assert top["mode"] == "data_stall" and top["ranks"] == [1], result["findings"]
+
+
+def test_healthy_run(tmp_path):
+    run = record(tmp_path, "healthy", "--devices", "2", "--steps", "50", "--straggler", "")
+    result = diagnose_json(run)
+    assert modes(result) == ["healthy"], result["findings"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_slow_local_rank_on_every_node_is_locality(tmp_path):
+    """Two node groups on one machine, launched as a multi-node launcher would (NODE_RANK set)."""
+    port = str(_free_port())
+    procs = []
+    for node, host in ((0, "node-a"), (1, "node-b")):
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            NODE_RANK=str(node),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            PACE_HOSTNAME=host,
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "pace_strategy.demo",
+            "--root",
+            str(tmp_path / "runs"),
+            "--name",
+            "local",
+            "--quiet",
+            "--compute-ms",
+            "10",
+            *PACING,
+            "--num-nodes",
+            "2",
+            "--devices",
+            "2",
+            "--steps",
+            "50",
+            "--straggler",
+            "",
+            "--straggler-local",
+            "1:30",
+        ]
+        procs.append(
+            subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        )
+    try:
+        outs = [p.communicate(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    result = diagnose_json(only_version_dir(tmp_path, "local"))
+    top = result["findings"][0]
+    assert top["mode"] == "locality" and top["ranks"] == [1, 3], result["findings"]
+    assert top["hosts"] == ["node-a", "node-b"]
+
+
+def test_the_console_command_runs(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "pace_strategy.cli", "diagnose", str(tmp_path / "nope")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "pace diagnose: error:" in out.stderr
+
+
+def test_unreadable_records_fail_clearly(tmp_path):
+    def run(path):
+        code, _, err = pace_diagnose(str(path), "--json")
+        return subprocess.CompletedProcess([], code, "", err)
+
+    missing = run(tmp_path / "nope")
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "pace_run.jsonl").write_text("")
+    empty = run(tmp_path / "empty")
+    assert empty.returncode == 2 and "empty" in empty.stderr
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "pace_run.jsonl").write_text("garbage\n{}\n")
+    bad = run(tmp_path / "bad")
+    assert bad.returncode == 2 and "not valid JSON" in bad.stderr
+    for d in ("a", "b"):
+        (tmp_path / "two" / d).mkdir(parents=True)
+        (tmp_path / "two" / d / "pace_run.jsonl").write_text("{}\n")
+    two = run(tmp_path / "two")
+    assert two.returncode == 2 and "pass one of these" in two.stderr
