@@ -46,6 +46,7 @@ class _OpenStep:
     done: Any | None = None
     end: Any | None = None
     delay_ms: float = 0.0
+    data_ms: float = 0.0
     handoffs: list[Any] = field(default_factory=list)
 
 
@@ -97,6 +98,7 @@ class Pacer:
         self._pending: PendingGather | None = None
         self._prev_end: Any | None = None
         self._prev_done: Any | None = None
+        self._pending_data_ms = 0.0
         self._steps_seen = 0
         self._window = 0
         self._delay_ms = 0.0
@@ -134,7 +136,18 @@ class Pacer:
             start=self._prev_end if self._prev_end is not None else now,
             begin=now,
             prev_done=self._prev_done,
+            data_ms=self._pending_data_ms,
         )
+        self._pending_data_ms = 0.0
+
+    def add_data_wait(self, ms: float) -> None:
+        """The training loop was blocked this long fetching input (host time, milliseconds).
+
+        Counted towards the open step, or, before ``begin_step``, towards the next one."""
+        if self._open is not None:
+            self._open.data_ms += ms
+        else:
+            self._pending_data_ms += ms
 
     def interrupt(self) -> None:
         """Something other than training ran since the last step (validation, checkpointing): the next
@@ -245,12 +258,12 @@ class Pacer:
         row[Field.VALID] = 1.0 if seen else 0.0
         row[Field.WARMUP] = 1.0 if s.warmup else 0.0
         if seen:
-            row[Field.COMPUTE_MS] = el(s.start, s.ready)
+            row[Field.COMPUTE_MS] = el(s.begin, s.ready)
             row[Field.WAIT_MS] = el(s.arrival, s.done)
         row[Field.DELAY_MS] = s.delay_ms
         row[Field.STEP_MS] = el(s.start, s.end)
-        row[Field.DATA_MS] = el(s.start, s.begin)
-        row[Field.GAP_MS] = el(s.prev_done, s.start) if s.prev_done is not None else 0.0
+        row[Field.DATA_MS] = s.data_ms
+        row[Field.GAP_MS] = el(s.prev_done, s.begin) if s.prev_done is not None else el(s.start, s.begin)
         row[Field.BUCKETS] = float(len(s.handoffs) + (1 if s.ready is not None else 0))
         if s.handoffs and s.arrival is not None:
             row[Field.HANDOFF_SPAN_MS] = el(s.arrival, s.handoffs[-1])

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from torch.utils.data import DataLoader
 
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
@@ -95,6 +98,13 @@ class _PacedDDPBody:
                 session.pacer.begin_step(trainer.global_step)
         return super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
 
+    def process_dataloader(self, dataloader: Any) -> Any:
+        dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
+        module = self.lightning_module
+        if module is not None and module.trainer.training:
+            time_dataloader(dataloader, lambda: self.pacing_session)
+        return dataloader
+
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(*args, **kwargs)  # type: ignore[misc]
         if self.pacing_session is not None:
@@ -122,6 +132,45 @@ class _PacedDDPBody:
             self.pacing_session.close()
         self.pacing_session = None
         super().teardown()  # type: ignore[misc]
+
+
+class _TimedIterator:
+    """Forwards a DataLoader iterator and reports the time each ``next`` blocked as data wait."""
+
+    def __init__(self, iterator: Any, session: Callable[[], PacingSession | None]) -> None:
+        self._iterator = iterator
+        self._session = session
+
+    def __iter__(self) -> _TimedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        started = time.perf_counter_ns()
+        try:
+            return next(self._iterator)
+        finally:
+            session = self._session()
+            if session is not None:
+                session.pacer.add_data_wait((time.perf_counter_ns() - started) / 1e6)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._iterator, name)
+
+
+def time_dataloader(dataloader: Any, session: Callable[[], PacingSession | None]) -> None:
+    """Make ``dataloader``'s iterators report input wait to the session (in place; keeps its type).
+
+    The loader's class is swapped for a subclass whose ``__iter__`` wraps the iterator, so every
+    ``isinstance(loader, DataLoader)`` check the framework makes still holds.
+    """
+    if not isinstance(dataloader, DataLoader) or getattr(dataloader, "_pace_timed", False):
+        return
+    base = type(dataloader)
+
+    def __iter__(self: Any) -> Any:
+        return _TimedIterator(base.__iter__(self), session)
+
+    dataloader.__class__ = type(f"Timed{base.__name__}", (base,), {"__iter__": __iter__, "_pace_timed": True})
 
 
 def _log_dir(trainer: Any) -> str:

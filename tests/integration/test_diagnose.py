@@ -165,3 +165,65 @@ def test_unreadable_records_fail_clearly(tmp_path):
         (tmp_path / "two" / d / "pace_run.jsonl").write_text("{}\n")
     two = run(tmp_path / "two")
     assert two.returncode == 2 and "pass one of these" in two.stderr
+
+
+def test_rate_limited_uplink_is_fabric_contention(tmp_path):
+    """Two nodes in network namespaces; node b's uplink shaped to 40 Mbit/s (a slow, shared path)."""
+    from tests.integration.netns import two_node_fabric
+
+    port = str(_free_port())
+    with two_node_fabric(slow_rate_mbit=40) as (a, b):
+        procs = []
+        for node_rank, node in enumerate((a, b)):
+            env = dict(
+                os.environ,
+                OMP_NUM_THREADS="1",
+                NODE_RANK=str(node_rank),
+                MASTER_ADDR=a.address,
+                MASTER_PORT=port,
+                PACE_HOSTNAME=node.host,
+                GLOO_SOCKET_IFNAME=node.ifname,
+            )
+            cmd = [
+                "ip",
+                "netns",
+                "exec",
+                node.netns,
+                sys.executable,
+                "-m",
+                "pace_strategy.demo",
+                "--root",
+                str(tmp_path / "runs"),
+                "--name",
+                "fabric",
+                "--quiet",
+                "--compute-ms",
+                "10",
+                *PACING,
+                "--num-nodes",
+                "2",
+                "--devices",
+                "1",
+                "--steps",
+                "40",
+                "--straggler",
+                "",
+            ]
+            procs.append(
+                subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            )
+        try:
+            outs = [p.communicate(timeout=180) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    result = diagnose_json(only_version_dir(tmp_path, "fabric"))
+    # Node b's rank finishes each collective late, so it starts late and arrives last although its
+    # compute is normal: the diagnosis must blame its network path, not the rank.
+    assert modes(result)[0] == "fabric_contention", result["findings"]
+    late = [f for f in result["findings"] if f["mode"] == "fabric_contention" and f["ranks"] == [1]]
+    assert late, result["findings"]
+    assert late[0]["hosts"] == ["rack-b"] and "compute was normal" in late[0]["evidence"]
+    assert late[0]["details"]["start_gap_ms"] > late[0]["details"]["others_start_gap_ms"] + 10.0
+    assert "persistent_straggler" not in modes(result)
