@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-at", default=None, metavar="RANK:STEP", help="fault injection: RANK exits at STEP")
     p.add_argument("--step-times", default=None, help="rank 0 writes its per-step wall times (JSON) here")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--no-diagnosis", action="store_true", help="skip the diagnosis at the end")
     return p
 
 
@@ -296,9 +297,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(summary.table())
     else:
         print("  (no run record: the baseline strategy does not monitor)")
+    if record_path.exists() and not args.no_diagnosis:
+        from pace_strategy.diagnose import DiagnosisConfig, diagnose, load_arrays
+        from pace_strategy.diagnose.report import render_report
+
+        arrays = load_arrays(record_path)
+        diagnosis = diagnose(arrays)
+        report = render_report(arrays, diagnosis, log_dir / "pace_report", DiagnosisConfig())
+        print(f"\n  diagnosis: {diagnosis.summary}")
+        print(f"  report            {report['html']}")
     print(f"\n  TensorBoard logs  {log_dir}   (tensorboard --logdir {args.root})")
     if record_path.exists():
-        print(f"  run record        {record_path}")
+        print(f"  run record        {record_path}   (pace diagnose {log_dir})")
     return 0
 
 

@@ -118,6 +118,8 @@ class PacingSession:
 
     def _publish_now(self, result: WindowResult) -> None:
         for message in result.warnings:
+            if self.record_path is not None:
+                message += f" For the full picture: pace diagnose {self.record_path.parent}"
             log.warning(message)
         summaries = result.summaries or self._summarizer.summarize(result.gathered)
         if self.metrics_sink is not None:

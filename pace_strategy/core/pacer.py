@@ -420,6 +420,6 @@ class _StragglerWatch:
             return (
                 f"pace_strategy: rank {rank} is a persistent straggler: it arrived last at the gradient sync "
                 f"in {share:.0%} of window {stats.window}'s {stats.steps} steps ({self._streak} windows in a "
-                "row). Its per-rank lead and compute time are in the run record and the pace/lead_ms tags.",
+                "row); its per-rank lead is in the pace/lead_ms tags.",
             )
         return ()

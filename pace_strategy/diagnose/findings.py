@@ -133,6 +133,13 @@ def diagnose(a: RunArrays, cfg: DiagnosisConfig | None = None) -> Diagnosis:
     explained: set[int] = set()
     for check in (_data_stall, _locality, _persistent_or_late_start, _fabric, _sync_amplification):
         findings.extend(check(run, explained))
+    minor = [f for f in findings if f.lost_step_fraction < cfg.healthy_lost_fraction]
+    findings = [f for f in findings if f.lost_step_fraction >= cfg.healthy_lost_fraction]
+    for f in minor:
+        notes.append(
+            f"below the {cfg.healthy_lost_fraction:.0%} worth-acting-on threshold, not reported: "
+            f"{f.mode} ({f.lost_step_fraction:.1%} of step time): {f.evidence}"
+        )
     total_lost = run.lost_when(np.ones(run.S, dtype=bool))
     if not findings:
         if total_lost < cfg.healthy_lost_fraction:

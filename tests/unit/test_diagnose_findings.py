@@ -1,0 +1,87 @@
+"""The diagnosis rules on small synthetic arrays (the real-run checks are in tests/integration)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pace_strategy import PacingConfigError
+from pace_strategy.diagnose import DiagnosisConfig, RunArrays, diagnose
+
+
+def arrays(compute, data=None, gap=None, transfer=5.0, hosts=None, local=None, nodes=None):
+    compute = np.asarray(compute, dtype=np.float64)
+    steps, world = compute.shape
+    arrival = compute.max(axis=1, keepdims=True)
+    wait = arrival - compute + transfer
+    zeros = np.zeros_like(compute)
+    hosts = hosts or ["h0"] * world
+    topo = [
+        {
+            "rank": r,
+            "host": hosts[r],
+            "node_rank": (nodes or [0] * world)[r],
+            "local_rank": (local or list(range(world)))[r],
+        }
+        for r in range(world)
+    ]
+    step_ms = (arrival[:, 0] + transfer + 2.0).astype(np.float64)
+    return RunArrays(
+        path=Path("synthetic"),
+        header={"world_size": world, "topology": topo},
+        end={"status": "completed"},
+        truncated=False,
+        total_steps=steps,
+        step=np.arange(steps),
+        wait=wait,
+        compute=compute,
+        delay=zeros,
+        data=zeros if data is None else np.asarray(data, dtype=np.float64),
+        gap=zeros if gap is None else gap,
+        rank_step=np.repeat(step_ms[:, None], world, axis=1),
+        step_ms=step_ms,
+        pacing_active=np.zeros(steps, dtype=bool),
+        decisions=[],
+    )
+
+
+rng = np.random.default_rng(0)
+
+
+def test_healthy_says_so_with_numbers():
+    d = diagnose(arrays(40.0 + rng.normal(0, 0.3, (200, 4))))
+    assert [f.mode for f in d.findings] == ["healthy"]
+    assert "lost to waiting" in d.findings[0].evidence and d.summary.startswith("healthy")
+
+
+def test_persistent_straggler_names_the_rank():
+    c = 40.0 + rng.normal(0, 0.3, (200, 4))
+    c[:, 3] += 15.0
+    (f,) = diagnose(arrays(c)).findings
+    assert f.mode == "persistent_straggler" and f.ranks == [3]
+    assert "rank 3" in f.evidence and "100% of 200 steps" in f.evidence
+    # three ranks idle 15 ms each per 62 ms step: mean lead 11.25 ms
+    assert abs(f.lost_step_fraction - 11.25 / 62.0) < 0.01
+
+
+def test_locality_by_local_index_across_nodes():
+    c = 40.0 + rng.normal(0, 0.5, (200, 4))
+    c[:, [1, 3]] += 10.0
+    a = arrays(c, hosts=["a", "a", "b", "b"], local=[0, 1, 0, 1], nodes=[0, 0, 1, 1])
+    top = diagnose(a).findings[0]
+    assert top.mode == "locality" and top.ranks == [1, 3] and top.hosts == ["a", "b"]
+
+
+def test_minor_problems_become_notes_not_findings():
+    c = 40.0 + rng.normal(0, 0.3, (200, 4))
+    c[:, 3] += 1.5  # a straggler, but only ~3% of the step
+    d = diagnose(arrays(c), DiagnosisConfig(slow_ms_floor=1.0, slow_step_fraction=0.0))
+    assert [f.mode for f in d.findings] == ["healthy"]
+    assert any("persistent_straggler" in n for n in d.notes)
+
+
+def test_thresholds_are_validated():
+    with pytest.raises(PacingConfigError, match="persistent_share"):
+        DiagnosisConfig(persistent_share=1.5)
+    with pytest.raises(PacingConfigError, match="Did you mean 'data_share'"):
+        DiagnosisConfig.from_dict({"data_shar": 0.3})
