@@ -1,4 +1,4 @@
-"""The ``pace`` command: ``pace demo`` and ``pace diagnose``."""
+"""The ``pace`` command: ``pace demo``, ``pace diagnose`` and ``pace simulate``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("demo", help="multi-process CPU training with an injected straggler", add_help=False)
     sub.add_parser("diagnose", help="name the failure mode of a recorded run, with plots", add_help=False)
-    if not argv or argv[0] not in ("demo", "diagnose"):
+    sub.add_parser("simulate", help="what-if simulator from 4 to 1,024+ nodes", add_help=False)
+    if not argv or argv[0] not in ("demo", "diagnose", "simulate"):
         parser.parse_args(argv or ["--help"])
         return 2
     level = os.environ.get("PACE_LOG_LEVEL", "WARNING").upper()
@@ -28,6 +29,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("pace_strategy").setLevel(level)
     from pace_strategy.core.errors import PacingConfigError
 
+    if argv[0] == "simulate":
+        from pace_strategy.sim import command as sim_command
+
+        return sim_command.main(argv[1:])
     if argv[0] == "diagnose":
         from pace_strategy.diagnose import command
 

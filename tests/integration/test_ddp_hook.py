@@ -6,16 +6,18 @@ torch's fp16-compression hook end with bit-identical weights, and the wrapped ho
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import time
 import traceback
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 WORLD = 2
 STEPS = 12
@@ -28,9 +30,17 @@ def _train(rank: int, store_path: str, out_dir: str, paced: bool) -> None:
     from pace_strategy import Pacer, PacingConfig, register_paced_hook
     from pace_strategy.session import side_group
 
+    stacks = open(os.path.join(out_dir, f"stacks{rank}.txt"), "w")  # noqa: SIM115 (open for the process)
+    faulthandler.dump_traceback_later(60, file=stacks)  # a hang leaves its stack for the test to show
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD)
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(store_path, WORLD),
+            rank=rank,
+            world_size=WORLD,
+            timeout=timedelta(seconds=60),
+        )
         torch.manual_seed(0)
         model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -43,6 +53,7 @@ def _train(rank: int, store_path: str, out_dir: str, paced: bool) -> None:
         pacer = None
         if paced:
             cfg = PacingConfig(
+                exchange_timeout_s=60.0,
                 mode="forced",
                 exchange_every_steps=2,
                 warmup_steps=1,
@@ -82,17 +93,23 @@ def _train(rank: int, store_path: str, out_dir: str, paced: bool) -> None:
 
 
 def _run(tmp_path, paced: bool) -> dict:
-    store = tmp_path / f"store-{paced}"
+    out = tmp_path / ("paced" if paced else "plain")
+    out.mkdir()
     ctx = mp.start_processes(
-        _train, args=(str(store), str(tmp_path), paced), nprocs=WORLD, join=False, start_method="spawn"
+        _train, args=(str(out / "store"), str(out), paced), nprocs=WORLD, join=False, start_method="spawn"
     )
+    deadline = time.monotonic() + 90
     try:
-        while not ctx.join(timeout=60):
-            pass
-    except Exception as error:
-        errors = [p.read_text() for p in sorted(tmp_path.glob("error*.txt"))]
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                stacks = [p.read_text() for p in sorted(out.glob("stacks*.txt"))]
+                raise AssertionError("ranks did not finish within 90 s:\n" + "\n".join(stacks))
+    except mp.ProcessRaisedException as error:
+        errors = [p.read_text() for p in sorted(out.glob("error*.txt"))]
         raise AssertionError("\n".join(errors) or str(error)) from error
-    return torch.load(tmp_path / f"{'paced' if paced else 'plain'}.pt")
+    return torch.load(out / f"{'paced' if paced else 'plain'}.pt")
 
 
 def test_wrapped_user_hook_runs_and_weights_match_unpaced(tmp_path):

@@ -9,6 +9,7 @@ from pace_strategy.core.pacer import Pacer
 
 def run_step(pacer, clock, step, data_ms=2.0, compute_ms=30.0, wait_ms=5.0, opt_ms=1.0):
     clock.advance(data_ms)
+    pacer.add_data_wait(data_ms)  # as the timed DataLoader iterator reports it
     pacer.begin_step(step)
     clock.advance(compute_ms)
     pacer.enter_sync()
@@ -31,11 +32,11 @@ def test_measures_each_duration_of_the_step():
     assert window.window == 0 and [x.step for x in window.summaries] == [0, 1, 2, 3]
     s = window.summaries[2]
     assert s.step == 2 and s.valid and not s.warmup
-    assert s.compute_ms == (32.0,)  # data wait + compute, from the previous step's end
+    assert s.compute_ms == (30.0,)  # batch ready -> first bucket
     assert s.data_ms == (2.0,)
     assert s.wait_ms == (5.0,)
-    assert s.rank_step_ms == (38.0,)
-    assert s.gap_ms == (1.0,)  # previous collective completion -> this step's start
+    assert s.rank_step_ms == (38.0,)  # previous step's end -> this step's end
+    assert s.gap_ms == (3.0,)  # previous collective completion -> batch ready (optimizer + input)
     assert s.buckets == 2
     assert window.summaries[0].warmup and not window.summaries[1].warmup
 

@@ -1,0 +1,143 @@
+"""Fit the simulator to a recorded run and predict that job at other scales.
+
+The fit is empirical (a bootstrap), not a parametric guess: per step, a rank's compute time (input
+wait included) is split into its own persistent offset, a component shared by all ranks in that step,
+and an idiosyncratic residual; transfer time and the rest of the step are kept as measured. A
+prediction redraws those pieces for any number of ranks, and scales the transfer time with the ring
+all-reduce's ``2 (n-1)/n`` factor (bandwidth term) from the recorded rank count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from pace_strategy.core.config import PacingConfig
+from pace_strategy.diagnose.arrays import RunArrays
+from pace_strategy.sim.engine import RunResult, WindowDraws, run_steps
+
+__all__ = ["Calibration", "fit", "predict"]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    ranks: int
+    steps: int
+    base_ms: float  #: median compute of the median rank
+    offsets_ms: np.ndarray  #: [ranks] each rank's persistent offset from base
+    common_ms: np.ndarray  #: [steps] per-step component shared by all ranks
+    residual_ms: np.ndarray  #: [steps * ranks] idiosyncratic residuals (pooled)
+    transfer_ms: np.ndarray  #: [steps] measured transfer time (minimum wait)
+    other_ms: np.ndarray  #: [steps] step time not explained by compute and transfer
+    slow_threshold_ms: float  #: offsets above this count as persistent stragglers
+    measured_mean_step_ms: float
+    measured_cv: float
+
+    @property
+    def slow_ranks(self) -> list[int]:
+        return [int(r) for r in np.nonzero(self.offsets_ms > self.slow_threshold_ms)[0]]
+
+    def report(self) -> str:
+        res = self.residual_ms
+        tail = float(np.mean(res > 3 * max(float(np.std(res)), 1e-9)))
+        return "\n".join(
+            [
+                f"fitted from {self.steps} steps x {self.ranks} ranks:",
+                f"  compute base {self.base_ms:.2f} ms; per-rank offsets "
+                + ", ".join(f"r{r} {o:+.2f}" for r, o in enumerate(self.offsets_ms[:16]))
+                + (" ..." if self.ranks > 16 else ""),
+                f"  persistent stragglers (offset > {self.slow_threshold_ms:.2f} ms): "
+                f"{self.slow_ranks or 'none'}",
+                f"  shared per-step jitter sd {np.std(self.common_ms):.2f} ms; per-rank residual sd "
+                f"{np.std(res):.2f} ms, {tail:.1%} of residuals beyond 3 sd (transient stragglers)",
+                f"  transfer {np.median(self.transfer_ms):.2f} ms median "
+                f"(p95 {np.percentile(self.transfer_ms, 95):.2f}); "
+                f"other {np.median(self.other_ms):.2f} ms",
+                f"  measured: mean step {self.measured_mean_step_ms:.2f} ms, CV {self.measured_cv:.3f}",
+            ]
+        )
+
+
+def fit(a: RunArrays) -> Calibration:
+    """Calibrate from a run record's usable steps."""
+    c = a.compute + a.data
+    per_rank = np.median(c, axis=0)
+    base = float(np.median(per_rank))
+    offsets = per_rank - base
+    e = c - per_rank[None, :]
+    common = np.median(e, axis=1)
+    residual = (e - common[:, None]).ravel()
+    transfer = a.wait.min(axis=1)
+    other = np.clip(a.step_ms - c.max(axis=1) - transfer, 0.0, None)
+    mad = float(np.median(np.abs(offsets - np.median(offsets)))) * 1.4826
+    threshold = max(3 * mad, 0.05 * float(np.median(a.step_ms)), 1.0)
+    mean = float(a.step_ms.mean())
+    return Calibration(
+        ranks=a.world_size,
+        steps=a.steps,
+        base_ms=base,
+        offsets_ms=offsets,
+        common_ms=common,
+        residual_ms=residual,
+        transfer_ms=transfer,
+        other_ms=other,
+        slow_threshold_ms=threshold,
+        measured_mean_step_ms=mean,
+        measured_cv=float(a.step_ms.std() / mean),
+    )
+
+
+def _draws(
+    cal: Calibration, ranks: int, seed: int, remove_stragglers: bool
+) -> Callable[[int, int], WindowDraws]:
+    rng0 = np.random.default_rng([seed, ranks, 7])
+    if ranks == cal.ranks:
+        offsets = cal.offsets_ms.copy()
+    else:  # ranks drawn from the recorded ones: a slow rank stays as common as it was
+        offsets = rng0.choice(cal.offsets_ms, size=ranks, replace=True)
+    if remove_stragglers:
+        offsets = np.minimum(offsets, cal.slow_threshold_ms)
+        offsets[offsets >= cal.slow_threshold_ms] = 0.0
+    ring = (
+        (2 * (ranks - 1) / ranks) / (2 * (cal.ranks - 1) / cal.ranks) if cal.ranks > 1 and ranks > 1 else 1.0
+    )
+
+    def draw(window: int, k: int) -> WindowDraws:
+        rng = np.random.default_rng([seed, ranks, window])
+        s = rng.integers(0, cal.steps, k)
+        compute = cal.base_ms + offsets[None, :] + cal.common_ms[s][:, None]
+        compute = compute + rng.choice(cal.residual_ms, size=(k, ranks), replace=True)
+        return WindowDraws(
+            compute_ms=np.clip(compute, 0.0, None),
+            collective_ms=cal.transfer_ms[s] * ring,
+            other_ms=cal.other_ms[s],
+        )
+
+    return draw
+
+
+def predict(
+    cal: Calibration,
+    ranks: int,
+    *,
+    steps: int,
+    seed: int = 0,
+    pacing: PacingConfig | None = None,
+    remove_stragglers: bool = False,
+    gpus_per_node: int = 1,
+    window_steps: int = 32,
+) -> RunResult:
+    """The calibrated job at ``ranks`` ranks (with ``pacing`` or without; what-if: no stragglers)."""
+    return run_steps(
+        _draws(cal, ranks, seed, remove_stragglers),
+        ranks=ranks,
+        steps=steps,
+        warmup_steps=0,
+        gpus_per_node=gpus_per_node,
+        backward_overlap=0.0,
+        spin_contention=0.0,
+        pacing=pacing,
+        window_steps=pacing.exchange_every_steps if pacing is not None else window_steps,
+    )

@@ -1,0 +1,146 @@
+"""Bulk-synchronous steps, vectorized over ranks and a window of steps, paced by the real controller.
+
+Per step: each rank computes (``compute_ms``), the first gradient bucket is ready after the
+non-overlapped part, the rank sleeps its pacing delay, then enters the collective. The collective
+starts when the last rank arrives and takes ``collective_ms``; the overlapped part of backward runs
+after each rank's arrival. Waits, compute times and delays go through the same
+``window_stats`` -> ``PacingPolicy`` pipeline as a real run, once per window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pace_strategy.core.config import PacingConfig
+from pace_strategy.core.policy import PacingPolicy
+from pace_strategy.core.records import NUM_FIELDS, Field
+from pace_strategy.core.skew import window_stats
+
+__all__ = ["RunResult", "WindowDraws", "run_steps"]
+
+
+@dataclass(frozen=True)
+class WindowDraws:
+    """Random inputs of ``k`` consecutive steps (identical for the paced and the unpaced run)."""
+
+    compute_ms: np.ndarray  #: [k, ranks] compute time including input wait
+    collective_ms: np.ndarray  #: [k] all-reduce time once every rank has arrived
+    other_ms: np.ndarray  #: [k] per-step time outside compute and the collective
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """Post-warm-up statistics of one simulated run."""
+
+    ranks: int
+    step_ms: np.ndarray  #: [steps] every step's time (warm-up excluded)
+    mean_step_ms: float
+    cv: float
+    p99_ms: float
+    pacing_active_share: float
+    mean_delay_ms: float  #: mean over paced steps of the largest delay
+    last_reason: str
+
+    @property
+    def throughput(self) -> float:
+        """Rank-steps per second (samples per second for a per-rank batch of one)."""
+        return self.ranks * 1e3 / self.mean_step_ms
+
+
+def _spin_extra(ready: np.ndarray, arrival: np.ndarray, gpus_per_node: int, contention: float) -> np.ndarray:
+    """Extra compute of each rank from node-mates busy-polling while it still computes.
+
+    A node-mate that arrived at ``a_m`` busy-polls until the collective starts; while rank ``r`` is
+    still computing (until ``ready_r``) each such mate slows it by ``contention`` per ms of overlap.
+    """
+    k, w = ready.shape
+    if contention <= 0.0 or gpus_per_node < 2:
+        return np.zeros_like(ready)
+    nodes = w // gpus_per_node
+    r = ready[:, : nodes * gpus_per_node].reshape(k, nodes, gpus_per_node, 1)
+    a = arrival[:, : nodes * gpus_per_node].reshape(k, nodes, 1, gpus_per_node)
+    overlap = np.clip(r - a, 0.0, None).sum(axis=3)  # self term is 0: own arrival >= own ready
+    out = np.zeros_like(ready)
+    out[:, : nodes * gpus_per_node] = contention * overlap.reshape(k, nodes * gpus_per_node)
+    return out
+
+
+def run_steps(
+    draw: Callable[[int, int], WindowDraws],
+    *,
+    ranks: int,
+    steps: int,
+    warmup_steps: int,
+    gpus_per_node: int,
+    backward_overlap: float,
+    spin_contention: float,
+    pacing: PacingConfig | None,
+    window_steps: int,
+) -> RunResult:
+    """Simulate ``steps`` steps; ``draw(window, k)`` gives each window's random inputs.
+
+    With ``pacing=None`` no rank is ever delayed; otherwise the real ``PacingPolicy`` decides the
+    delays from each window's measurements and they apply from the next window on. Paced and unpaced
+    runs must use the same ``window_steps`` so that they see the same draws.
+    """
+    k_window = window_steps
+    policy = PacingPolicy(pacing, ranks) if pacing is not None else None
+    delays = np.zeros(ranks)
+    step_times: list[np.ndarray] = []
+    active: list[np.ndarray] = []
+    delay_max: list[np.ndarray] = []
+    reason = "no pacing"
+    done = 0
+    window = 0
+    while done < steps:
+        k = min(k_window, steps - done)
+        d = draw(window, k)
+        c = d.compute_ms
+        tail = c * backward_overlap
+        ready = c - tail
+        arrival = ready + delays
+        extra = _spin_extra(ready, arrival, gpus_per_node, spin_contention)
+        ready = ready + extra
+        arrival = arrival + extra
+        last = arrival.max(axis=1)
+        start_of_collective = last
+        end = np.maximum(start_of_collective + d.collective_ms, (arrival + tail).max(axis=1))
+        step = end + d.other_ms
+        wait = (start_of_collective + d.collective_ms)[:, None] - arrival
+        index = np.arange(done, done + k)
+        keep = index >= warmup_steps
+        step_times.append(step[keep])
+        active.append(np.full(int(keep.sum()), bool((delays > 0).any())))
+        delay_max.append(np.full(int(keep.sum()), float(delays.max())))
+        if policy is not None:
+            g = torch.zeros(ranks, k, NUM_FIELDS, dtype=torch.float64)
+            g[:, :, Field.STEP] = torch.from_numpy(index.astype(np.float64))
+            g[:, :, Field.VALID] = 1.0
+            g[:, :, Field.WARMUP] = torch.from_numpy((~keep).astype(np.float64))
+            g[:, :, Field.COMPUTE_MS] = torch.from_numpy(ready.T.copy())
+            g[:, :, Field.WAIT_MS] = torch.from_numpy(wait.T.copy())
+            g[:, :, Field.DELAY_MS] = torch.from_numpy(np.repeat(delays[:, None], k, axis=1))
+            g[:, :, Field.STEP_MS] = torch.from_numpy(np.repeat(step[None, :], ranks, axis=0))
+            decision = policy.update(window_stats(window, g))
+            delays = np.asarray(decision.delays_ms, dtype=np.float64)
+            reason = f"{decision.state.value}: {decision.reason}"
+        done += k
+        window += 1
+    times = np.concatenate(step_times)
+    act = np.concatenate(active)
+    dmax = np.concatenate(delay_max)
+    mean = float(times.mean())
+    return RunResult(
+        ranks=ranks,
+        step_ms=times,
+        mean_step_ms=mean,
+        cv=float(times.std() / mean) if mean > 0 else 0.0,
+        p99_ms=float(np.percentile(times, 99)),
+        pacing_active_share=float(act.mean()),
+        mean_delay_ms=float(dmax[act].mean()) if act.any() else 0.0,
+        last_reason=reason,
+    )

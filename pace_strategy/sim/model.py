@@ -1,0 +1,162 @@
+"""The simulator's typed model: compute per rank, a hierarchical network, and the sweep.
+
+Every number here is an input of the model, documented with its unit; nothing encodes a benefit of
+pacing. Pacing can only help in the model through a mechanism it names (``spin_contention``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pace_strategy.core.config import PacingConfig
+from pace_strategy.core.errors import PacingConfigError
+
+__all__ = ["ComputeModel", "NetworkModel", "SimConfig"]
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": " ".join(text.split())}
+
+
+def _check(cond: bool, where: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise PacingConfigError(f"{where}={value!r} is invalid: expected {allowed}.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ComputeModel:
+    """Per-rank compute time of one step (forward + backward), milliseconds."""
+
+    base_ms: float = field(default=100.0, metadata=_doc("Compute time of a healthy rank, ms."))
+    jitter_ms: float = field(
+        default=1.0,
+        metadata=_doc("Standard deviation of iid normal jitter per rank per step, ms (clipped at 0)."),
+    )
+    common_jitter_ms: float = field(
+        default=0.0, metadata=_doc("Standard deviation of a per-step jitter shared by all ranks, ms.")
+    )
+    transient_probability: float = field(
+        default=0.0, metadata=_doc("Chance that a given rank is a transient straggler in a given step.")
+    )
+    transient_ms: float = field(
+        default=50.0,
+        metadata=_doc("Mean extra time of a transient straggler, ms (exponential distribution)."),
+    )
+    slow_ranks: tuple[int, ...] = field(default=(), metadata=_doc("Persistently slow global ranks."))
+    slow_local_ranks: tuple[int, ...] = field(
+        default=(), metadata=_doc("Local rank indices that are slow on every node (locality).")
+    )
+    slow_factor: float = field(
+        default=1.2, metadata=_doc("Compute of a slow rank is this multiple of base_ms.")
+    )
+    data_stall_probability: float = field(
+        default=0.0, metadata=_doc("Chance per rank per step of waiting for input.")
+    )
+    data_stall_ms: float = field(default=0.0, metadata=_doc("Input wait of a data stall, ms."))
+    backward_overlap: float = field(
+        default=0.0,
+        metadata=_doc(
+            """Fraction of compute that runs after the first gradient bucket is ready and overlaps the
+            collective (DDP bucket overlap with backward)."""
+        ),
+    )
+    other_ms: float = field(
+        default=0.0, metadata=_doc("Per-step time outside compute and the collective (optimizer, loop), ms.")
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("base_ms", "jitter_ms", "common_jitter_ms", "transient_ms", "data_stall_ms", "other_ms"):
+            _check(getattr(self, name) >= 0, f"compute.{name}", getattr(self, name), "a number >= 0")
+        for name in ("transient_probability", "data_stall_probability", "backward_overlap"):
+            v = getattr(self, name)
+            _check(0 <= v <= 1, f"compute.{name}", v, "a number in [0, 1]")
+        _check(self.slow_factor >= 1, "compute.slow_factor", self.slow_factor, "a number >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkModel:
+    """A two-level fabric: GPUs in a node (NVLink), nodes under leaf switches, leaves under a spine."""
+
+    gradient_mb: float = field(default=100.0, metadata=_doc("Gradient bytes all-reduced per step, MB."))
+    intra_node_gbps: float = field(default=2400.0, metadata=_doc("Per-GPU intra-node bandwidth, Gbit/s."))
+    node_gbps: float = field(
+        default=400.0, metadata=_doc("Network bandwidth of one node (all its NICs), Gbit/s.")
+    )
+    latency_us: float = field(
+        default=10.0, metadata=_doc("Per-hop latency of the inter-node ring, microseconds.")
+    )
+    nodes_per_leaf: int = field(default=16, metadata=_doc("Nodes under one leaf switch."))
+    oversubscription: float = field(
+        default=1.0,
+        metadata=_doc(
+            "Leaf uplink capacity is nodes_per_leaf x node_gbps / oversubscription (1 = full bisection)."
+        ),
+    )
+    ring_order: Literal["topology", "interleaved"] = field(
+        default="topology",
+        metadata=_doc(
+            """``topology``: the ring visits the nodes leaf by leaf (each leaf uplink carries one flow each
+            way); ``interleaved``: consecutive ring neighbours sit under different leaves (every flow
+            crosses the spine and shares the uplinks)."""
+        ),
+    )
+    background_load: float = field(
+        default=0.0, metadata=_doc("Mean fraction of each leaf uplink used by other traffic.")
+    )
+    background_cv: float = field(
+        default=0.0, metadata=_doc("Per-step coefficient of variation of that background load.")
+    )
+    spin_contention: float = field(
+        default=0.0,
+        metadata=_doc(
+            """Fraction by which each node-mate that already arrived and busy-polls slows a rank's remaining
+            compute (shared CPU/PCIe). A pacing delay is a sleep, not a busy-poll, so this is the one
+            mechanism through which pacing can shorten steps in the model. 0 turns it off."""
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        for name in (
+            "gradient_mb",
+            "intra_node_gbps",
+            "node_gbps",
+            "latency_us",
+            "background_cv",
+            "spin_contention",
+        ):
+            _check(getattr(self, name) >= 0, f"network.{name}", getattr(self, name), "a number >= 0")
+        _check(self.intra_node_gbps > 0 and self.node_gbps > 0, "network bandwidth", self.node_gbps, "> 0")
+        _check(self.nodes_per_leaf >= 1, "network.nodes_per_leaf", self.nodes_per_leaf, "an integer >= 1")
+        _check(self.oversubscription >= 1, "network.oversubscription", self.oversubscription, "a number >= 1")
+        _check(0 <= self.background_load < 1, "network.background_load", self.background_load, "0 <= x < 1")
+        _check(
+            self.ring_order in ("topology", "interleaved"),
+            "network.ring_order",
+            self.ring_order,
+            "'topology' or 'interleaved'",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """A simulated job and the node counts to sweep."""
+
+    name: str = field(default="simulation", metadata=_doc("Label printed with the table."))
+    nodes: tuple[int, ...] = field(
+        default=(4, 8, 16, 32, 64, 128, 256, 512, 1024), metadata=_doc("Node counts to sweep.")
+    )
+    gpus_per_node: int = field(default=8, metadata=_doc("Ranks per node."))
+    steps: int = field(default=1000, metadata=_doc("Simulated steps per run."))
+    warmup_steps: int = field(default=5, metadata=_doc("Steps excluded from the statistics."))
+    seed: int = field(default=0, metadata=_doc("Seed of every random draw (runs are reproducible)."))
+    compute: ComputeModel = field(default_factory=ComputeModel)
+    network: NetworkModel = field(default_factory=NetworkModel)
+    pacing: PacingConfig = field(default_factory=PacingConfig, metadata=_doc("The real controller's config."))
+
+    def __post_init__(self) -> None:
+        _check(
+            len(self.nodes) > 0 and all(n >= 1 for n in self.nodes), "nodes", self.nodes, "node counts >= 1"
+        )
+        _check(self.gpus_per_node >= 1, "gpus_per_node", self.gpus_per_node, "an integer >= 1")
+        _check(self.steps > self.warmup_steps + 1, "steps", self.steps, "more than warmup_steps + 1")
