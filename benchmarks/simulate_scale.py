@@ -1,6 +1,6 @@
 """How long the simulator takes at 1,024 nodes x 8 GPUs x 1,000 steps (not a test; prints what it measured).
 
-    python benchmarks/simulate_scale.py
+python benchmarks/simulate_scale.py
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ all-reduce's ``2 (n-1)/n`` factor (bandwidth term) from the recorded rank count.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,8 +18,10 @@ import numpy as np
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.diagnose.arrays import RunArrays
 from pace_strategy.sim.engine import RunResult, WindowDraws, run_steps
+from pace_strategy.sim.model import NetworkModel
+from pace_strategy.sim.network import inter_node_bandwidth_gbps
 
-__all__ = ["Calibration", "fit", "predict"]
+__all__ = ["Calibration", "fit", "oversubscription_factor", "predict"]
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ def fit(a: RunArrays) -> Calibration:
 
 
 def _draws(
-    cal: Calibration, ranks: int, seed: int, remove_stragglers: bool
+    cal: Calibration, ranks: int, seed: int, remove_stragglers: bool, transfer_factor: float
 ) -> Callable[[int, int], WindowDraws]:
     rng0 = np.random.default_rng([seed, ranks, 7])
     if ranks == cal.ranks:
@@ -111,7 +114,7 @@ def _draws(
         compute = compute + rng.choice(cal.residual_ms, size=(k, ranks), replace=True)
         return WindowDraws(
             compute_ms=np.clip(compute, 0.0, None),
-            collective_ms=cal.transfer_ms[s] * ring,
+            collective_ms=cal.transfer_ms[s] * ring * transfer_factor,
             other_ms=cal.other_ms[s],
         )
 
@@ -128,10 +131,15 @@ def predict(
     remove_stragglers: bool = False,
     gpus_per_node: int = 1,
     window_steps: int = 32,
+    transfer_factor: float = 1.0,
 ) -> RunResult:
-    """The calibrated job at ``ranks`` ranks (with ``pacing`` or without; what-if: no stragglers)."""
+    """The calibrated job at ``ranks`` ranks (with ``pacing`` or without).
+
+    What-ifs: ``remove_stragglers`` sets the persistent offsets to 0; ``transfer_factor`` multiplies
+    the transfer time (see :func:`oversubscription_factor`).
+    """
     return run_steps(
-        _draws(cal, ranks, seed, remove_stragglers),
+        _draws(cal, ranks, seed, remove_stragglers, transfer_factor),
         ranks=ranks,
         steps=steps,
         warmup_steps=0,
@@ -141,3 +149,10 @@ def predict(
         pacing=pacing,
         window_steps=pacing.exchange_every_steps if pacing is not None else window_steps,
     )
+
+
+def oversubscription_factor(net: NetworkModel, nodes: int) -> float:
+    """How much longer the inter-node transfer gets on ``net`` than on the same fabric at full
+    bisection (oversubscription 1): the ratio of the per-node ring bandwidths."""
+    full = float(inter_node_bandwidth_gbps(dataclasses.replace(net, oversubscription=1.0), nodes))
+    return full / float(inter_node_bandwidth_gbps(net, nodes))

@@ -33,6 +33,22 @@ def _parser() -> argparse.ArgumentParser:
         help="with --from-run: rank counts to predict, e.g. 4,64,512 (default: x1 x16 x128)",
     )
     p.add_argument("--steps", type=int, default=1000, help="with --from-run: simulated steps per run")
+    p.add_argument(
+        "--oversubscription",
+        type=float,
+        default=None,
+        help="with --from-run: what-if spine oversubscription of the fabric (1 = full bisection)",
+    )
+    p.add_argument("--gpus-per-node", type=int, default=8, help="with --oversubscription: ranks per node")
+    p.add_argument(
+        "--nodes-per-leaf", type=int, default=16, help="with --oversubscription: nodes per leaf switch"
+    )
+    p.add_argument(
+        "--ring-order",
+        choices=("topology", "interleaved"),
+        default="interleaved",
+        help="with --oversubscription",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -119,7 +135,9 @@ def _sweep(args: argparse.Namespace) -> int:
 def _from_run(args: argparse.Namespace) -> int:
     from pace_strategy.core.config import PacingConfig
     from pace_strategy.diagnose.arrays import load_arrays
-    from pace_strategy.sim.calibrate import fit, predict
+    from pace_strategy.settings import build
+    from pace_strategy.sim.calibrate import fit, oversubscription_factor, predict
+    from pace_strategy.sim.model import NetworkModel
 
     arrays = load_arrays(args.from_run)
     cal = fit(arrays)
@@ -133,28 +151,47 @@ def _from_run(args: argparse.Namespace) -> int:
         plain = predict(cal, n, steps=args.steps, seed=args.seed, window_steps=k)
         paced = predict(cal, n, steps=args.steps, seed=args.seed, pacing=pacing)
         fixed = predict(cal, n, steps=args.steps, seed=args.seed, remove_stragglers=True, window_steps=k)
-        rows.append(
-            {
-                "ranks": n,
-                "mean_step_ms": plain.mean_step_ms,
-                "cv": plain.cv,
-                "p99_ms": plain.p99_ms,
-                "paced_throughput_ratio": paced.throughput / plain.throughput,
-                "no_straggler_throughput_ratio": fixed.throughput / plain.throughput,
-            }
-        )
+        row = {
+            "ranks": n,
+            "mean_step_ms": plain.mean_step_ms,
+            "cv": plain.cv,
+            "p99_ms": plain.p99_ms,
+            "paced_throughput_ratio": paced.throughput / plain.throughput,
+            "no_straggler_throughput_ratio": fixed.throughput / plain.throughput,
+        }
+        if args.oversubscription is not None:
+            net = build(
+                NetworkModel,
+                {
+                    "oversubscription": args.oversubscription,
+                    "nodes_per_leaf": args.nodes_per_leaf,
+                    "ring_order": args.ring_order,
+                },
+            )
+            factor = oversubscription_factor(net, max(1, n // args.gpus_per_node))
+            over = predict(cal, n, steps=args.steps, seed=args.seed, window_steps=k, transfer_factor=factor)
+            row["oversubscribed_transfer_factor"] = factor
+            row["oversubscribed_throughput_ratio"] = over.throughput / plain.throughput
+        rows.append(row)
     if args.json:
         print(json.dumps({"fit": cal.report(), "rows": rows}, indent=2))
         return 0
     print(cal.report())
+    over_head = f" {'oversubscribed/plain':>21}" if args.oversubscription is not None else ""
     print(
         f"\n{'ranks':>7} {'mean step':>10} {'CV':>7} {'p99':>9} {'paced/plain':>12} "
-        f"{'no stragglers/plain':>20}"
+        f"{'no stragglers/plain':>20}{over_head}"
     )
     for r in rows:
+        extra = (
+            f" {r['oversubscribed_throughput_ratio']:>21.4f}"
+            if "oversubscribed_throughput_ratio" in r
+            else ""
+        )
         print(
             f"{r['ranks']:>7} {r['mean_step_ms']:>8.2f}ms {r['cv']:>7.3f} {r['p99_ms']:>7.1f}ms "
-            f"{r['paced_throughput_ratio']:>12.4f} {r['no_straggler_throughput_ratio']:>20.4f}"
+            f"{r['paced_throughput_ratio']:>12.4f} {r['no_straggler_throughput_ratio']:>20.4f}{extra}"
         )
+    print("throughput ratios are what-ifs against the calibrated job without pacing at the same rank count")
 
     return 0

@@ -125,3 +125,20 @@ def test_cli_json_rows(capsys):
     )
     assert "did not raise throughput" in out["mechanism"]
     assert simulate_main(["nope.yaml"]) == 2
+
+
+def test_from_run_what_ifs(capsys):
+    fixture = str(ROOT / "tests/fixtures/run4_transient.jsonl")
+    args = ["--from-run", fixture, "--ranks", "4,32", "--steps", "300", "--json"]
+    assert (
+        simulate_main([*args, "--oversubscription", "4", "--gpus-per-node", "4", "--nodes-per-leaf", "2"])
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    small, large = out["rows"]
+    assert small["ranks"] == 4 and large["ranks"] == 32
+    assert small["oversubscribed_transfer_factor"] == 1.0  # one node: nothing crosses the spine
+    assert large["oversubscribed_transfer_factor"] == 4.0  # interleaved ring, 8 nodes under 4 leaves
+    assert large["oversubscribed_throughput_ratio"] < 1.0
+    assert small["paced_throughput_ratio"] == pytest.approx(1.0, abs=0.02)
+    assert "fitted from" in out["fit"]
