@@ -6,13 +6,13 @@ Unknown keys are errors that suggest the nearest valid key and give the full dot
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from pace_strategy.core.config import check_known_keys
 from pace_strategy.core.errors import PacingConfigError
 
 __all__ = ["build", "load_mapping"]
@@ -43,14 +43,8 @@ def build(cls: type[T], values: Mapping[str, Any] | None, where: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     hints = typing.get_type_hints(cls)
     kwargs: dict[str, Any] = {}
+    check_known_keys(values, list(fields), "key", prefix=where)
     for key, value in values.items():
-        if key not in fields:
-            hint = difflib.get_close_matches(str(key), list(fields), n=1)
-            raise PacingConfigError(
-                f"unknown key {where + str(key)!r}"
-                + (f"; did you mean {where + hint[0]!r}?" if hint else "")
-                + f" Valid keys here: {', '.join(fields)}."
-            )
         kwargs[key] = _convert(hints[key], value, where + key)
     try:
         return cls(**kwargs)

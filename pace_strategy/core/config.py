@@ -5,20 +5,32 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from pace_strategy.core.errors import PacingConfigError
 
-__all__ = ["PacingConfig", "PacingMode"]
+__all__ = ["PacingConfig", "PacingMode", "check_known_keys", "doc"]
 
 PacingMode = Literal["adaptive", "monitor", "forced"]
 _MODES: tuple[str, ...] = get_args(PacingMode)
 
 
-def _doc(text: str) -> dict[str, str]:
+def doc(text: str) -> dict[str, str]:
+    """Field metadata holding a field's documentation (whitespace folded)."""
     return {"doc": " ".join(text.split())}
+
+
+def check_known_keys(keys: Iterable[str], known: Sequence[str], what: str, prefix: str = "") -> None:
+    """Raise ``PacingConfigError`` for the first key not in ``known``, suggesting the nearest one."""
+    for key in keys:
+        if key not in known:
+            hint = difflib.get_close_matches(str(key), list(known), n=1)
+            suggestion = f" Did you mean {prefix + hint[0]!r}?" if hint else ""
+            raise PacingConfigError(
+                f"Unknown {what} {prefix + str(key)!r}.{suggestion} Valid: {', '.join(known)}."
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,7 +45,7 @@ class PacingConfig:
 
     mode: PacingMode = field(
         default="adaptive",
-        metadata=_doc(
+        metadata=doc(
             """``"adaptive"``: monitor always, pace only while imbalance is severe and only while A/B
             windows show that pacing helps. ``"monitor"``: measure and report, never delay a rank.
             ``"forced"``: apply the computed delays whenever there is a pacable lead, bypassing the
@@ -42,7 +54,7 @@ class PacingConfig:
     )
     exchange_every_steps: int = field(
         default=32,
-        metadata=_doc(
+        metadata=doc(
             """K, steps per window. Per-rank step records are exchanged with one small all-gather every
             K steps (not every step: one all-gather costs milliseconds of process wake-ups on CPU).
             Telemetry for a step is written when its window arrives, at the step's own global step."""
@@ -50,41 +62,41 @@ class PacingConfig:
     )
     warmup_steps: int = field(
         default=5,
-        metadata=_doc(
+        metadata=doc(
             """Steps excluded from statistics and pacing at the start of training. DDP rebuilds its
             gradient buckets after the first iteration and first steps pay one-off costs."""
         ),
     )
     activate_skew_fraction: float = field(
         default=0.10,
-        metadata=_doc(
+        metadata=doc(
             """Pacing may turn on when the window's median unpaced skew is at least this fraction of the
             median step time (0.10: ranks arrive 10% of a step apart)."""
         ),
     )
     deactivate_skew_fraction: float = field(
         default=0.05,
-        metadata=_doc(
+        metadata=doc(
             """Pacing turns off when the median unpaced skew falls below this fraction of the step time
             (hysteresis: must be <= ``activate_skew_fraction``)."""
         ),
     )
     activate_windows: int = field(
-        default=3, metadata=_doc("Consecutive severe windows needed before pacing turns on.")
+        default=3, metadata=doc("Consecutive severe windows needed before pacing turns on.")
     )
     deactivate_windows: int = field(
-        default=2, metadata=_doc("Consecutive calm windows needed before pacing turns off.")
+        default=2, metadata=doc("Consecutive calm windows needed before pacing turns off.")
     )
     gain: float = field(
         default=0.5,
-        metadata=_doc(
+        metadata=doc(
             """Fraction of a rank's pacable lead (smoothed lead minus its noise margin) that is applied as
             delay. In (0, 1]: a gain above 1 would make the paced rank the last one."""
         ),
     )
     noise_margin_factor: float = field(
         default=2.0,
-        metadata=_doc(
+        metadata=doc(
             """Margin, in multiples of the rank's measured lead noise (standard deviation over the
             window), that is kept unpaced so that a noisy step does not turn the paced rank into the
             straggler."""
@@ -92,81 +104,81 @@ class PacingConfig:
     )
     persist_fraction: float = field(
         default=0.8,
-        metadata=_doc(
+        metadata=doc(
             """A rank is pacable in a window only if it led by more than its margin in at least this
             fraction of the window's steps (a sustained, persistent lead)."""
         ),
     )
     lead_smoothing: float = field(
         default=0.5,
-        metadata=_doc("Weight of the newest window in the exponential moving average of each rank's lead."),
+        metadata=doc("Weight of the newest window in the exponential moving average of each rank's lead."),
     )
     max_delay_ms: float = field(
-        default=20.0, metadata=_doc("Hard cap on the delay applied to a rank in one step, milliseconds.")
+        default=20.0, metadata=doc("Hard cap on the delay applied to a rank in one step, milliseconds.")
     )
     max_delay_step_fraction: float = field(
         default=0.10,
-        metadata=_doc("Second cap on the delay: this fraction of the window's median step time."),
+        metadata=doc("Second cap on the delay: this fraction of the window's median step time."),
     )
     min_delay_ms: float = field(
         default=0.5,
-        metadata=_doc("Delays below this many milliseconds are not applied (sleep granularity)."),
+        metadata=doc("Delays below this many milliseconds are not applied (sleep granularity)."),
     )
     ab_windows: int = field(
         default=2,
-        metadata=_doc(
+        metadata=doc(
             """Windows in each arm of the A/B safety check: pacing runs this many windows and its median
             step time is compared with the same number of unpaced windows."""
         ),
     )
     min_gain_fraction: float = field(
         default=0.005,
-        metadata=_doc(
+        metadata=doc(
             """Pacing is kept only if the paced median step time is at least this fraction shorter than
             the unpaced one (0.005 = 0.5%); otherwise the controller backs off for a cool-down."""
         ),
     )
     probe_every_windows: int = field(
         default=8,
-        metadata=_doc(
+        metadata=doc(
             """While pacing is kept, re-measure the unpaced arm after this many paced windows (conditions
             change; pacing must keep proving itself)."""
         ),
     )
     cooldown_windows: int = field(
         default=16,
-        metadata=_doc("Windows with pacing off after a failed A/B check before pacing may turn on again."),
+        metadata=doc("Windows with pacing off after a failed A/B check before pacing may turn on again."),
     )
     cv_window_steps: int = field(
         default=50,
-        metadata=_doc(
+        metadata=doc(
             "Rolling window, in steps, of the step-time coefficient of variation (``pace/step_cv``)."
         ),
     )
     per_rank_tag_limit: int = field(
         default=64,
-        metadata=_doc("``pace/lead_ms/rank_{r}`` tags are written only while world size <= this limit."),
+        metadata=doc("``pace/lead_ms/rank_{r}`` tags are written only while world size <= this limit."),
     )
     exchange_timeout_s: float = field(
         default=300.0,
-        metadata=_doc(
+        metadata=doc(
             """Seconds a rank waits for the window exchange before raising ``PaceTimeoutError`` naming the
             step (a dead or hung peer must not hang training forever)."""
         ),
     )
     straggler_warn_fraction: float = field(
         default=0.8,
-        metadata=_doc(
+        metadata=doc(
             """Warn when one rank arrived last in at least this fraction of a window's steps, for
             ``activate_windows`` windows in a row."""
         ),
     )
     straggler_warn_interval_s: float = field(
-        default=300.0, metadata=_doc("Minimum seconds between two persistent-straggler warnings.")
+        default=300.0, metadata=doc("Minimum seconds between two persistent-straggler warnings.")
     )
     run_record: bool = field(
         default=True,
-        metadata=_doc(
+        metadata=doc(
             "Rank 0 writes the full per-rank, per-step run record (JSON lines) to the log directory."
         ),
     )
@@ -226,14 +238,7 @@ class PacingConfig:
         ``None`` or an empty mapping gives the defaults.
         """
         values = dict(values or {})
-        known = cls.field_names()
-        for key in values:
-            if key not in known:
-                hint = difflib.get_close_matches(str(key), known, n=1)
-                suggestion = f" Did you mean {hint[0]!r}?" if hint else ""
-                raise PacingConfigError(
-                    f"Unknown pacing config field {key!r}.{suggestion} Valid fields: {', '.join(known)}."
-                )
+        check_known_keys(values, cls.field_names(), "pacing config field")
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:

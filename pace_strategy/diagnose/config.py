@@ -6,13 +6,10 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pace_strategy.core.config import check_known_keys, doc
 from pace_strategy.core.errors import PacingConfigError
 
 __all__ = ["DiagnosisConfig"]
-
-
-def _doc(text: str) -> dict[str, str]:
-    return {"doc": " ".join(text.split())}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,61 +18,61 @@ class DiagnosisConfig:
     constant of the project; override with ``pace diagnose --set FIELD=VALUE``."""
 
     persistent_share: float = field(
-        default=0.5, metadata=_doc("A rank last in at least this share of steps is a persistent straggler.")
+        default=0.5, metadata=doc("A rank last in at least this share of steps is a persistent straggler.")
     )
     locality_share: float = field(
         default=0.8,
-        metadata=_doc(
+        metadata=doc(
             """A place (one local rank index across nodes, or one host) holding the straggler in at least
             this share of steps is a locality problem."""
         ),
     )
     slow_ms_floor: float = field(
-        default=2.0, metadata=_doc("Lateness below this many milliseconds counts as noise.")
+        default=2.0, metadata=doc("Lateness below this many milliseconds counts as noise.")
     )
     slow_step_fraction: float = field(
-        default=0.05, metadata=_doc("Lateness below this fraction of the median step counts as noise.")
+        default=0.05, metadata=doc("Lateness below this fraction of the median step counts as noise.")
     )
     healthy_lost_fraction: float = field(
         default=0.05,
-        metadata=_doc(
+        metadata=doc(
             """Below this share of step time lost to waiting (mean lead over ranks / step time), and with
             no other finding, the run is healthy."""
         ),
     )
     spread_entropy: float = field(
         default=0.6,
-        metadata=_doc(
+        metadata=doc(
             """Normalized entropy (0: always the same rank, 1: uniform over ranks) of the straggler
             identity above which the straggler "changes from step to step"."""
         ),
     )
     heavy_tail_ratio: float = field(
-        default=2.0, metadata=_doc("Skew p99 / p50 at or above which the skew is heavy-tailed.")
+        default=2.0, metadata=doc("Skew p99 / p50 at or above which the skew is heavy-tailed.")
     )
     transfer_step_fraction: float = field(
         default=0.25,
-        metadata=_doc("Transfer time (minimum wait) above this fraction of the median step is inflated."),
+        metadata=doc("Transfer time (minimum wait) above this fraction of the median step is inflated."),
     )
     transfer_cv: float = field(
-        default=0.5, metadata=_doc("Transfer time coefficient of variation above which it is unstable.")
+        default=0.5, metadata=doc("Transfer time coefficient of variation above which it is unstable.")
     )
     compute_cv_steady: float = field(
         default=0.15,
-        metadata=_doc("Per-rank compute-time CV (median over ranks) below which compute is steady."),
+        metadata=doc("Per-rank compute-time CV (median over ranks) below which compute is steady."),
     )
     data_share: float = field(
         default=0.5,
-        metadata=_doc(
+        metadata=doc(
             """A straggler whose input wait explains at least this share of its lateness (median over the
             steps it was last) has a data-loading stall."""
         ),
     )
     max_heatmap_rows: int = field(
-        default=128, metadata=_doc("Above this many ranks the lead heat map aggregates by node.")
+        default=128, metadata=doc("Above this many ranks the lead heat map aggregates by node.")
     )
     max_heatmap_columns: int = field(
-        default=1000, metadata=_doc("Above this many steps the plots bin steps (mean per bin).")
+        default=1000, metadata=doc("Above this many steps the plots bin steps (mean per bin).")
     )
 
     def __post_init__(self) -> None:
@@ -94,17 +91,7 @@ class DiagnosisConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> DiagnosisConfig:
-        import difflib
-
-        known = [f.name for f in fields(cls)]
-        for key in values:
-            if key not in known:
-                hint = difflib.get_close_matches(key, known, n=1)
-                raise PacingConfigError(
-                    f"Unknown diagnosis threshold {key!r}."
-                    + (f" Did you mean {hint[0]!r}?" if hint else "")
-                    + f" Valid: {', '.join(known)}."
-                )
+        check_known_keys(values, [f.name for f in fields(cls)], "diagnosis threshold")
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:

@@ -9,14 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pace_strategy.core.config import PacingConfig
+from pace_strategy.core.config import PacingConfig, doc
 from pace_strategy.core.errors import PacingConfigError
 
 __all__ = ["ComputeModel", "NetworkModel", "SimConfig"]
-
-
-def _doc(text: str) -> dict[str, str]:
-    return {"doc": " ".join(text.split())}
 
 
 def _check(cond: bool, where: str, value: Any, allowed: str) -> None:
@@ -28,41 +24,41 @@ def _check(cond: bool, where: str, value: Any, allowed: str) -> None:
 class ComputeModel:
     """Per-rank compute time of one step (forward + backward), milliseconds."""
 
-    base_ms: float = field(default=100.0, metadata=_doc("Compute time of a healthy rank, ms."))
+    base_ms: float = field(default=100.0, metadata=doc("Compute time of a healthy rank, ms."))
     jitter_ms: float = field(
         default=1.0,
-        metadata=_doc("Standard deviation of iid normal jitter per rank per step, ms (clipped at 0)."),
+        metadata=doc("Standard deviation of iid normal jitter per rank per step, ms (clipped at 0)."),
     )
     common_jitter_ms: float = field(
-        default=0.0, metadata=_doc("Standard deviation of a per-step jitter shared by all ranks, ms.")
+        default=0.0, metadata=doc("Standard deviation of a per-step jitter shared by all ranks, ms.")
     )
     transient_probability: float = field(
-        default=0.0, metadata=_doc("Chance that a given rank is a transient straggler in a given step.")
+        default=0.0, metadata=doc("Chance that a given rank is a transient straggler in a given step.")
     )
     transient_ms: float = field(
         default=50.0,
-        metadata=_doc("Mean extra time of a transient straggler, ms (exponential distribution)."),
+        metadata=doc("Mean extra time of a transient straggler, ms (exponential distribution)."),
     )
-    slow_ranks: tuple[int, ...] = field(default=(), metadata=_doc("Persistently slow global ranks."))
+    slow_ranks: tuple[int, ...] = field(default=(), metadata=doc("Persistently slow global ranks."))
     slow_local_ranks: tuple[int, ...] = field(
-        default=(), metadata=_doc("Local rank indices that are slow on every node (locality).")
+        default=(), metadata=doc("Local rank indices that are slow on every node (locality).")
     )
     slow_factor: float = field(
-        default=1.2, metadata=_doc("Compute of a slow rank is this multiple of base_ms.")
+        default=1.2, metadata=doc("Compute of a slow rank is this multiple of base_ms.")
     )
     data_stall_probability: float = field(
-        default=0.0, metadata=_doc("Chance per rank per step of waiting for input.")
+        default=0.0, metadata=doc("Chance per rank per step of waiting for input.")
     )
-    data_stall_ms: float = field(default=0.0, metadata=_doc("Input wait of a data stall, ms."))
+    data_stall_ms: float = field(default=0.0, metadata=doc("Input wait of a data stall, ms."))
     backward_overlap: float = field(
         default=0.0,
-        metadata=_doc(
+        metadata=doc(
             """Fraction of compute that runs after the first gradient bucket is ready and overlaps the
             collective (DDP bucket overlap with backward)."""
         ),
     )
     other_ms: float = field(
-        default=0.0, metadata=_doc("Per-step time outside compute and the collective (optimizer, loop), ms.")
+        default=0.0, metadata=doc("Per-step time outside compute and the collective (optimizer, loop), ms.")
     )
 
     def __post_init__(self) -> None:
@@ -78,38 +74,38 @@ class ComputeModel:
 class NetworkModel:
     """A two-level fabric: GPUs in a node (NVLink), nodes under leaf switches, leaves under a spine."""
 
-    gradient_mb: float = field(default=100.0, metadata=_doc("Gradient bytes all-reduced per step, MB."))
-    intra_node_gbps: float = field(default=2400.0, metadata=_doc("Per-GPU intra-node bandwidth, Gbit/s."))
+    gradient_mb: float = field(default=100.0, metadata=doc("Gradient bytes all-reduced per step, MB."))
+    intra_node_gbps: float = field(default=2400.0, metadata=doc("Per-GPU intra-node bandwidth, Gbit/s."))
     node_gbps: float = field(
-        default=400.0, metadata=_doc("Network bandwidth of one node (all its NICs), Gbit/s.")
+        default=400.0, metadata=doc("Network bandwidth of one node (all its NICs), Gbit/s.")
     )
     latency_us: float = field(
-        default=10.0, metadata=_doc("Per-hop latency of the inter-node ring, microseconds.")
+        default=10.0, metadata=doc("Per-hop latency of the inter-node ring, microseconds.")
     )
-    nodes_per_leaf: int = field(default=16, metadata=_doc("Nodes under one leaf switch."))
+    nodes_per_leaf: int = field(default=16, metadata=doc("Nodes under one leaf switch."))
     oversubscription: float = field(
         default=1.0,
-        metadata=_doc(
+        metadata=doc(
             "Leaf uplink capacity is nodes_per_leaf x node_gbps / oversubscription (1 = full bisection)."
         ),
     )
     ring_order: Literal["topology", "interleaved"] = field(
         default="topology",
-        metadata=_doc(
+        metadata=doc(
             """``topology``: the ring visits the nodes leaf by leaf (each leaf uplink carries one flow each
             way); ``interleaved``: consecutive ring neighbours sit under different leaves (every flow
             crosses the spine and shares the uplinks)."""
         ),
     )
     background_load: float = field(
-        default=0.0, metadata=_doc("Mean fraction of each leaf uplink used by other traffic.")
+        default=0.0, metadata=doc("Mean fraction of each leaf uplink used by other traffic.")
     )
     background_cv: float = field(
-        default=0.0, metadata=_doc("Per-step coefficient of variation of that background load.")
+        default=0.0, metadata=doc("Per-step coefficient of variation of that background load.")
     )
     spin_contention: float = field(
         default=0.0,
-        metadata=_doc(
+        metadata=doc(
             """Fraction by which each node-mate that already arrived and busy-polls slows a rank's remaining
             compute (shared CPU/PCIe). A pacing delay is a sleep, not a busy-poll, so this is the one
             mechanism through which pacing can shorten steps in the model. 0 turns it off."""
@@ -142,17 +138,17 @@ class NetworkModel:
 class SimConfig:
     """A simulated job and the node counts to sweep."""
 
-    name: str = field(default="simulation", metadata=_doc("Label printed with the table."))
+    name: str = field(default="simulation", metadata=doc("Label printed with the table."))
     nodes: tuple[int, ...] = field(
-        default=(4, 8, 16, 32, 64, 128, 256, 512, 1024), metadata=_doc("Node counts to sweep.")
+        default=(4, 8, 16, 32, 64, 128, 256, 512, 1024), metadata=doc("Node counts to sweep.")
     )
-    gpus_per_node: int = field(default=8, metadata=_doc("Ranks per node."))
-    steps: int = field(default=1000, metadata=_doc("Simulated steps per run."))
-    warmup_steps: int = field(default=5, metadata=_doc("Steps excluded from the statistics."))
-    seed: int = field(default=0, metadata=_doc("Seed of every random draw (runs are reproducible)."))
+    gpus_per_node: int = field(default=8, metadata=doc("Ranks per node."))
+    steps: int = field(default=1000, metadata=doc("Simulated steps per run."))
+    warmup_steps: int = field(default=5, metadata=doc("Steps excluded from the statistics."))
+    seed: int = field(default=0, metadata=doc("Seed of every random draw (runs are reproducible)."))
     compute: ComputeModel = field(default_factory=ComputeModel)
     network: NetworkModel = field(default_factory=NetworkModel)
-    pacing: PacingConfig = field(default_factory=PacingConfig, metadata=_doc("The real controller's config."))
+    pacing: PacingConfig = field(default_factory=PacingConfig, metadata=doc("The real controller's config."))
 
     def __post_init__(self) -> None:
         _check(

@@ -85,6 +85,10 @@ def _train(rank: int, store_path: str, out_dir: str, paced: bool) -> None:
                 {"state": model.module.state_dict(), "fp16_calls": calls["fp16"], "delays": delays},
                 os.path.join(out_dir, f"{'paced' if paced else 'plain'}.pt"),
             )
+        # Drop every reference to DDP and the pacer's side group before tearing the groups down,
+        # and tear down together: a gloo group freed while its peer is still using it can block.
+        del model, pacer
+        dist.barrier()
         dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:

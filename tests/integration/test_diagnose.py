@@ -86,51 +86,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_slow_local_rank_on_every_node_is_locality(tmp_path):
-    """Two node groups on one machine, launched as a multi-node launcher would (NODE_RANK set)."""
+def launch_nodes(tmp_path: Path, name: str, nodes: list[tuple[dict, list[str]]], *demo_args: str) -> None:
+    """Start one demo process per node, as a multi-node launcher would (NODE_RANK, MASTER_* set).
+
+    ``nodes``: per node, extra environment and a command prefix (e.g. ``ip netns exec NS``).
+    """
     port = str(_free_port())
     procs = []
-    for node, host in ((0, "node-a"), (1, "node-b")):
-        env = dict(
-            os.environ,
-            OMP_NUM_THREADS="1",
-            NODE_RANK=str(node),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            PACE_HOSTNAME=host,
-        )
+    for node_rank, (extra_env, prefix) in enumerate(nodes):
+        env = dict(os.environ, OMP_NUM_THREADS="1", NODE_RANK=str(node_rank), MASTER_PORT=port, **extra_env)
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
         cmd = [
+            *prefix,
             sys.executable,
             "-m",
             "pace_strategy.demo",
             "--root",
             str(tmp_path / "runs"),
             "--name",
-            "local",
+            name,
             "--quiet",
             "--compute-ms",
             "10",
             *PACING,
             "--num-nodes",
-            "2",
-            "--devices",
-            "2",
-            "--steps",
-            "50",
+            str(len(nodes)),
             "--straggler",
             "",
-            "--straggler-local",
-            "1:30",
+            *demo_args,
         ]
         procs.append(
             subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         )
     try:
-        outs = [p.communicate(timeout=150) for p in procs]
+        outs = [p.communicate(timeout=180) for p in procs]
     finally:
         for p in procs:
             p.kill()
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+
+
+def test_slow_local_rank_on_every_node_is_locality(tmp_path):
+    """Two node groups on one machine, local rank 1 slow on both."""
+    nodes = [({"PACE_HOSTNAME": "node-a"}, []), ({"PACE_HOSTNAME": "node-b"}, [])]
+    launch_nodes(tmp_path, "local", nodes, "--devices", "2", "--steps", "50", "--straggler-local", "1:30")
     result = diagnose_json(only_version_dir(tmp_path, "local"))
     top = result["findings"][0]
     assert top["mode"] == "locality" and top["ranks"] == [1, 3], result["findings"]
@@ -140,8 +139,10 @@ def test_slow_local_rank_on_every_node_is_locality(tmp_path):
 def test_the_console_command_runs(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "pace_strategy.cli", "diagnose", str(tmp_path / "nope")],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 2 and "pace diagnose: error:" in out.stderr
 
 
@@ -171,53 +172,15 @@ def test_rate_limited_uplink_is_fabric_contention(tmp_path):
     """Two nodes in network namespaces; node b's uplink shaped to 40 Mbit/s (a slow, shared path)."""
     from tests.integration.netns import two_node_fabric
 
-    port = str(_free_port())
     with two_node_fabric(slow_rate_mbit=40) as (a, b):
-        procs = []
-        for node_rank, node in enumerate((a, b)):
-            env = dict(
-                os.environ,
-                OMP_NUM_THREADS="1",
-                NODE_RANK=str(node_rank),
-                MASTER_ADDR=a.address,
-                MASTER_PORT=port,
-                PACE_HOSTNAME=node.host,
-                GLOO_SOCKET_IFNAME=node.ifname,
+        nodes = [
+            (
+                {"PACE_HOSTNAME": n.host, "GLOO_SOCKET_IFNAME": n.ifname, "MASTER_ADDR": a.address},
+                ["ip", "netns", "exec", n.netns],
             )
-            cmd = [
-                "ip",
-                "netns",
-                "exec",
-                node.netns,
-                sys.executable,
-                "-m",
-                "pace_strategy.demo",
-                "--root",
-                str(tmp_path / "runs"),
-                "--name",
-                "fabric",
-                "--quiet",
-                "--compute-ms",
-                "10",
-                *PACING,
-                "--num-nodes",
-                "2",
-                "--devices",
-                "1",
-                "--steps",
-                "40",
-                "--straggler",
-                "",
-            ]
-            procs.append(
-                subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            )
-        try:
-            outs = [p.communicate(timeout=180) for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+            for n in (a, b)
+        ]
+        launch_nodes(tmp_path, "fabric", nodes, "--devices", "1", "--steps", "40")
     result = diagnose_json(only_version_dir(tmp_path, "fabric"))
     # Node b's rank finishes each collective late, so it starts late and arrives last although its
     # compute is normal: the diagnosis must blame its network path, not the rank.

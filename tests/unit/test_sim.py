@@ -107,11 +107,11 @@ def test_calibrated_from_a_real_run_reproduces_it():
 def test_every_recipe_loads_and_bad_keys_are_named():
     for path in sorted((ROOT / "recipes/simulate").glob("*.yaml")):
         build(SimConfig, load_mapping(path))
-    with pytest.raises(PacingConfigError, match=re.escape("did you mean 'compute.base_ms'")):
+    with pytest.raises(PacingConfigError, match=re.escape("Did you mean 'compute.base_ms'")):
         build(SimConfig, load_mapping(None, ["compute.base=3"]))
     with pytest.raises(PacingConfigError, match=re.escape("network.oversubscription")):
         build(SimConfig, load_mapping(None, ["network.oversubscription=0.5"]))
-    with pytest.raises(PacingConfigError, match=re.escape("did you mean 'pacing.max_delay_ms'")):
+    with pytest.raises(PacingConfigError, match=re.escape("Did you mean 'pacing.max_delay_ms'")):
         build(SimConfig, load_mapping(None, ["pacing.max_delay=3"]))
 
 
