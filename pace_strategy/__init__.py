@@ -21,6 +21,7 @@ from pace_strategy.core import (
 )
 from pace_strategy.hooks import PacedHookState, paced_comm_hook, register_paced_hook
 from pace_strategy.inject import Straggler
+from pace_strategy.integrations.accelerate import PacingHandle, attach_pacing
 from pace_strategy.session import PacingSession
 from pace_strategy.telemetry import RunRecord, read_run_record, summarize
 
@@ -34,6 +35,7 @@ __all__ = [
     "Pacer",
     "PacingConfig",
     "PacingConfigError",
+    "PacingHandle",
     "PacingPolicy",
     "PacingSession",
     "PolicyState",
@@ -42,6 +44,7 @@ __all__ = [
     "Straggler",
     "WindowResult",
     "__version__",
+    "attach_pacing",
     "paced_comm_hook",
     "read_run_record",
     "register_paced_hook",

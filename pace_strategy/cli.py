@@ -1,4 +1,4 @@
-"""The ``pace`` command: ``pace demo``, ``pace diagnose`` and ``pace simulate``."""
+"""The ``pace`` command: ``pace demo``, ``diagnose``, ``simulate`` and ``launch``."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("demo", help="multi-process CPU training with an injected straggler", add_help=False)
     sub.add_parser("diagnose", help="name the failure mode of a recorded run, with plots", add_help=False)
     sub.add_parser("simulate", help="what-if simulator from 4 to 1,024+ nodes", add_help=False)
-    if not argv or argv[0] not in ("demo", "diagnose", "simulate"):
+    sub.add_parser("launch", help="accelerate launch with a pacing_config: section", add_help=False)
+    if not argv or argv[0] not in ("demo", "diagnose", "simulate", "launch"):
         parser.parse_args(argv or ["--help"])
         return 2
     level = os.environ.get("PACE_LOG_LEVEL", "WARNING").upper()
@@ -29,6 +30,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("pace_strategy").setLevel(level)
     from pace_strategy.core.errors import PacingConfigError
 
+    if argv[0] == "launch":
+        from pace_strategy import launch
+
+        return launch.main(argv[1:])
     if argv[0] == "simulate":
         from pace_strategy.sim import command as sim_command
 

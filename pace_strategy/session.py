@@ -141,12 +141,12 @@ class PacingSession:
             raise
         self._close("completed", None)
 
-    def close(self) -> None:
+    def close(self, status: str = "completed") -> None:
         """Close locally without the final exchange (the run ended without ``finish``); idempotent."""
         if self._finished:
             return
         self._finished = True
-        self._close("completed", None)
+        self._close(status, None)
 
     @property
     def finished(self) -> bool:

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import importlib
 import logging
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
-
-from torch.utils.data import DataLoader
 
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.hooks.ddp import register_paced_hook
 from pace_strategy.inject import Straggler, sleep_injected
+from pace_strategy.integrations.data import time_dataloader
 from pace_strategy.session import PacingSession, side_group
 
 log = logging.getLogger(__name__)
@@ -132,45 +130,6 @@ class _PacedDDPBody:
             self.pacing_session.close()
         self.pacing_session = None
         super().teardown()  # type: ignore[misc]
-
-
-class _TimedIterator:
-    """Forwards a DataLoader iterator and reports the time each ``next`` blocked as data wait."""
-
-    def __init__(self, iterator: Any, session: Callable[[], PacingSession | None]) -> None:
-        self._iterator = iterator
-        self._session = session
-
-    def __iter__(self) -> _TimedIterator:
-        return self
-
-    def __next__(self) -> Any:
-        started = time.perf_counter_ns()
-        try:
-            return next(self._iterator)
-        finally:
-            session = self._session()
-            if session is not None:
-                session.pacer.add_data_wait((time.perf_counter_ns() - started) / 1e6)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._iterator, name)
-
-
-def time_dataloader(dataloader: Any, session: Callable[[], PacingSession | None]) -> None:
-    """Make ``dataloader``'s iterators report input wait to the session (in place; keeps its type).
-
-    The loader's class is swapped for a subclass whose ``__iter__`` wraps the iterator, so every
-    ``isinstance(loader, DataLoader)`` check the framework makes still holds.
-    """
-    if not isinstance(dataloader, DataLoader) or getattr(dataloader, "_pace_timed", False):
-        return
-    base = type(dataloader)
-
-    def __iter__(self: Any) -> Any:
-        return _TimedIterator(base.__iter__(self), session)
-
-    dataloader.__class__ = type(f"Timed{base.__name__}", (base,), {"__iter__": __iter__, "_pace_timed": True})
 
 
 def _log_dir(trainer: Any) -> str:

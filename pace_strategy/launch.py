@@ -1,0 +1,106 @@
+"""``pace launch``: ``accelerate launch`` with a ``pacing_config:`` section in the accelerate config.
+
+The section is read and validated here, before any worker starts, then stripped: the cleaned config
+goes to a temporary file that accelerate's own launcher reads, and the pacing fields travel to the
+workers as ``PACE_*`` environment variables (which ``attach_pacing`` reads).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pace_strategy.core.errors import PacingConfigError
+
+__all__ = ["main", "prepare_launch"]
+
+SECTION = "pacing_config"
+
+
+def _config_arg(argv: list[str]) -> tuple[int, str] | None:
+    """Index and value of ``--config_file``/``--config-file`` in accelerate launch arguments."""
+    for i, arg in enumerate(argv):
+        for flag in ("--config_file", "--config-file"):
+            if arg == flag and i + 1 < len(argv):
+                return i + 1, argv[i + 1]
+            if arg.startswith(flag + "="):
+                return i, arg.split("=", 1)[1]
+    return None
+
+
+def prepare_launch(argv: Sequence[str]) -> tuple[list[str], dict[str, str], Path | None]:
+    """The accelerate launch arguments, the extra environment and the temporary config to delete."""
+    import yaml
+
+    from pace_strategy.integrations.accelerate import config_to_env
+
+    args = list(argv)
+    found = _config_arg(args)
+    if found is None:
+        return args, {}, None
+    index, path = found
+    try:
+        data: Any = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as error:
+        raise PacingConfigError(f"cannot read accelerate config {path}: {error}") from error
+    if not isinstance(data, dict):
+        raise PacingConfigError(f"{path}: expected a mapping at the top level of the accelerate config")
+    section = data.pop(SECTION, None)
+    if section is None:
+        return args, {}, None
+    if not isinstance(section, dict):
+        raise PacingConfigError(f"{path}: {SECTION} must be a mapping of PacingConfig fields (or empty)")
+    try:
+        env = config_to_env(section)
+    except PacingConfigError as error:
+        raise PacingConfigError(f"{path}: {SECTION}: {error}") from None
+    env["PACE_CONFIG_SOURCE"] = str(path)
+    single_machine = int(data.get("num_machines", 1) or 1) == 1
+    if (
+        data.get("distributed_type") == "MULTI_CPU"
+        and int(data.get("num_processes", 1)) > 1
+        and single_machine
+    ):
+        # accelerate 1.x starts a single process for MULTI_CPU on one machine; its multi-process
+        # launcher runs CPU workers when told to use the CPU.
+        data["distributed_type"] = "MULTI_GPU"
+        data["use_cpu"] = True
+        env["ACCELERATE_USE_CPU"] = "1"
+    fd, tmp = tempfile.mkstemp(prefix="pace-accelerate-", suffix=".yaml")
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(data, f)
+    if args[index].startswith("--config"):
+        args[index] = f"--config_file={tmp}"
+    else:
+        args[index] = tmp
+    return args, env, Path(tmp)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(
+            "usage: pace launch [accelerate launch arguments] SCRIPT [script arguments]\n\n"
+            "Runs `accelerate launch`, first reading the `pacing_config:` section of --config_file\n"
+            "(validated; a bad field fails here, before any worker starts) and exporting it as PACE_*\n"
+            "variables for attach_pacing. Every accelerate launch argument passes through."
+        )
+        return 0 if argv else 2
+    try:
+        args, env, tmp = prepare_launch(argv)
+    except PacingConfigError as error:
+        print(f"pace launch: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *args]
+        return subprocess.call(cmd, env={**os.environ, **env})
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
