@@ -71,10 +71,11 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> PacingConfig | 
     environ = os.environ if environ is None else environ
     names = {f.name: f for f in dataclasses.fields(PacingConfig)}
     hints = {f.name: f.type for f in dataclasses.fields(PacingConfig)}
-    keys = [k[len(ENV_PREFIX) :].lower() for k in environ if k.startswith(ENV_PREFIX) and k not in OTHER_ENV]
-    if not keys:
+    variables = [k for k in environ if k.startswith(ENV_PREFIX) and k not in OTHER_ENV]
+    if not variables:
         return None
-    check_known_keys(keys, list(names), "pacing variable", prefix=ENV_PREFIX.lower())
+    check_known_keys(variables, [f"{ENV_PREFIX}{n.upper()}" for n in names], "pacing environment variable")
+    keys = [k[len(ENV_PREFIX) :].lower() for k in variables]
     values = {k: _parse(k, environ[f"{ENV_PREFIX}{k.upper()}"], hints[k]) for k in keys}
     return PacingConfig.from_dict(values)
 

@@ -17,7 +17,9 @@ p.add_argument("--delay-ms", type=float, default=40.0)
 args = p.parse_args()
 
 torch.set_num_threads(1)
-acc = Accelerator(log_with="tensorboard", project_dir=args.project_dir, gradient_accumulation_steps=args.accumulate)
+acc = Accelerator(
+    log_with="tensorboard", project_dir=args.project_dir, gradient_accumulation_steps=args.accumulate
+)
 acc.init_trackers("run")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))

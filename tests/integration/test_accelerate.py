@@ -1,0 +1,104 @@
+"""Accelerate, 2 CPU processes: `pace launch` with a pacing_config section, plain `accelerate launch`
+with PACE_* variables, gradient accumulation, and a bad section failing before any worker starts."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pace_strategy.integrations.accelerate import config_from_env
+from pace_strategy.telemetry import TAGS, lead_tag, read_run_record
+from tests.integration.helpers import read_scalars
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+SCRIPT = Path(__file__).parent / "scripts" / "accel_train.py"
+BASE_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: {kind}
+num_processes: 2
+num_machines: 1
+machine_rank: 0
+mixed_precision: 'no'
+use_cpu: true
+"""
+
+
+def launch(tmp_path: Path, command: list[str], config: str, *script_args: str, env: dict | None = None):
+    cfg = tmp_path / "accel.yaml"
+    cfg.write_text(config)
+    return subprocess.run(
+        [
+            *command,
+            "--config_file",
+            str(cfg),
+            str(SCRIPT),
+            "--project-dir",
+            str(tmp_path / "proj"),
+            *script_args,
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+
+
+PACE = [sys.executable, "-m", "pace_strategy.cli", "launch"]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+
+
+def check_straggler(tmp_path: Path, steps: int) -> None:
+    scalars = read_scalars(tmp_path / "proj" / "run")
+    for tag in (*TAGS, lead_tag(0), lead_tag(1)):
+        assert sorted(scalars[tag]) == list(range(steps)), tag
+    post = range(5, steps)
+    assert sum(scalars["pace/straggler_rank"][s] == 1.0 for s in post) / len(post) >= 0.9
+    assert abs(statistics.median(scalars["pace/skew_ms"][s] for s in post) - 40.0) < 12.0
+
+
+def test_pace_launch_reads_the_pacing_config_section(tmp_path):
+    section = "pacing_config:\n  mode: monitor\n  exchange_every_steps: 8\n"
+    out = launch(tmp_path, PACE, BASE_CONFIG.format(kind="MULTI_CPU") + section)
+    assert out.returncode == 0, out.stderr[-3000:]
+    check_straggler(tmp_path, 40)
+    record = read_run_record(tmp_path / "proj")
+    assert record.header["framework"] == "accelerate" and record.header["world_size"] == 2
+    assert record.header["config"]["exchange_every_steps"] == 8 and record.end["status"] == "completed"
+
+
+def test_plain_accelerate_launch_with_pace_variables_and_accumulation(tmp_path):
+    env = {"ACCELERATE_USE_CPU": "1", "PACE_MODE": "monitor", "PACE_EXCHANGE_EVERY_STEPS": "4"}
+    out = launch(tmp_path, ACCELERATE, BASE_CONFIG.format(kind="MULTI_GPU"), "--accumulate", "4", env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "synchronized steps: 10" in out.stdout  # 40 micro-batches, 4 per optimizer step
+    record = read_run_record(tmp_path / "proj")
+    assert record.header["config"]["exchange_every_steps"] == 4
+    assert [s["step"] for s in record.steps] == list(range(10))  # only synchronizing steps
+    assert all(s["valid"] for s in record.steps)
+
+
+def test_bad_pacing_config_fails_at_launch(tmp_path):
+    out = launch(tmp_path, PACE, BASE_CONFIG.format(kind="MULTI_CPU") + "pacing_config:\n  max_delay: 5\n")
+    assert out.returncode == 2
+    assert "pacing_config" in out.stderr and "Did you mean 'max_delay_ms'?" in out.stderr
+    assert not (tmp_path / "proj").exists(), "no worker may start"
+    out = launch(tmp_path, PACE, BASE_CONFIG.format(kind="MULTI_CPU") + "pacing_config:\n  gain: high\n")
+    assert out.returncode == 2 and "PacingConfig.gain='high'" in out.stderr
+
+
+def test_pace_variables_are_parsed_and_checked():
+    cfg = config_from_env(
+        {"PACE_MODE": "forced", "PACE_MAX_DELAY_MS": "7.5", "PACE_RUN_RECORD": "false", "PACE_HOSTNAME": "x"}
+    )
+    assert cfg.mode == "forced" and cfg.max_delay_ms == 7.5 and cfg.run_record is False
+    assert config_from_env({"PATH": "/bin"}) is None
+    with pytest.raises(ValueError, match="Did you mean 'PACE_MAX_DELAY_MS'"):
+        config_from_env({"PACE_MAX_DELAY": "3"})
+    with pytest.raises(ValueError, match="PACE_EXCHANGE_EVERY_STEPS='x'"):
+        config_from_env({"PACE_EXCHANGE_EVERY_STEPS": "x"})
