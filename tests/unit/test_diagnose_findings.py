@@ -85,3 +85,21 @@ def test_thresholds_are_validated():
         DiagnosisConfig(persistent_share=1.5)
     with pytest.raises(PacingConfigError, match="Did you mean 'data_share'"):
         DiagnosisConfig.from_dict({"data_shar": 0.3})
+
+
+def test_a_truncated_record_is_diagnosed_and_reported(tmp_path):
+    from pace_strategy.diagnose import load_arrays
+    from pace_strategy.telemetry.run_record import RunRecordWriter
+    from tests.unit.test_schema import summary
+
+    path = tmp_path / "pace_run.jsonl"
+    writer = RunRecordWriter(
+        path, world_size=3, config={}, topology=[{"rank": r} for r in range(3)], framework="t"
+    )
+    writer.write_window([summary(3) for _ in range(12)], None)  # never closed: the run crashed
+    with path.open("a") as f:
+        f.write('{"record": "step", "st')
+    a = load_arrays(tmp_path)
+    assert a.truncated and a.steps == 12
+    notes = diagnose(a).notes
+    assert any("cut off" in n for n in notes) and any("did not finish" in n for n in notes)
