@@ -64,10 +64,13 @@ class PacingSession:
         node_rank: int | None = None,
         local_rank: int | None = None,
         clock: Clock | None = None,
+        owns_group: bool = False,
     ) -> None:
         self.config = config
         self.rank = rank
         self.world_size = world_size
+        self._group = group
+        self._owns_group = owns_group and group is not None
         self.pacer = Pacer(
             config, group, rank, world_size, clock or clock_for_device(device), summaries=False
         )
@@ -140,6 +143,11 @@ class PacingSession:
             self._close("failed", error)
             raise
         self._close("completed", None)
+        if self._owns_group and dist.is_initialized():
+            # The flush was the group's last collective on every rank: release it now, while the
+            # peers are alive, rather than in an interpreter-exit destructor.
+            dist.destroy_process_group(self._group)
+        self._group = None
 
     def close(self, status: str = "completed") -> None:
         """Close locally without the final exchange (the run ended without ``finish``); idempotent."""

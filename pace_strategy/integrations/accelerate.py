@@ -136,6 +136,7 @@ def attach_pacing(accelerator: Any, model: Any, config: PacingConfig | None = No
         world_size=accelerator.num_processes,
         device=accelerator.device,
         group=side_group(cfg),
+        owns_group=True,
         framework="accelerate",
         log_dir=_run_dir(accelerator) if rank == 0 else None,
         metrics_sink=lambda metrics, step: accelerator.log(dict(metrics), step=step),

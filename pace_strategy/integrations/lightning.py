@@ -72,6 +72,7 @@ class _PacedDDPBody:
             world_size=self.world_size,
             device=self.root_device,
             group=side_group(self.pacing_config),
+            owns_group=True,
             framework="lightning",
             log_dir=_log_dir(trainer) if self.global_rank == 0 else None,
             metrics_sink=_metrics_sink(trainer),
