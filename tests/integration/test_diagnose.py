@@ -7,6 +7,7 @@ import io
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pace_strategy.cli import main as cli_main
+from pace_strategy.telemetry import read_run_record
 from tests.integration.helpers import only_version_dir, run_demo
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -181,6 +183,13 @@ def test_rate_limited_uplink_is_fabric_contention(tmp_path):
             for n in (a, b)
         ]
         launch_nodes(tmp_path, "fabric", nodes, "--devices", "1", "--steps", "40")
+        # The same fabric with pacing forced on: node a's rank leads by waits but not by compute, so
+        # the controller must never delay it for lateness the network caused.
+        launch_nodes(tmp_path, "forced", nodes, "--devices", "1", "--steps", "40", "--pacing", "mode=forced")
+    forced = read_run_record(only_version_dir(tmp_path, "forced"))
+    leads = [s["ranks"]["lead_ms"][0] for s in forced.steps if not s["warmup"]]
+    assert statistics.median(leads) > 10.0  # rank 0 does wait for rank 1 at every step...
+    assert all(s["delay_ms_max"] == 0.0 for s in forced.steps)  # ...and is never paced for it
     result = diagnose_json(only_version_dir(tmp_path, "fabric"))
     # Node b's rank finishes each collective late, so it starts late and arrives last although its
     # compute is normal: the diagnosis must blame its network path, not the rank.
