@@ -105,7 +105,6 @@ class Pacer:
         self.summarizer = StepSummarizer(config.cv_window_steps)
         self._watch = _StragglerWatch(config, self.clock)
         self._build_summaries = summaries
-        self.hook_calls = 0  #: gradient buckets seen by the comm hook (a cheap liveness check)
         self.window_work_ns = 0  #: host time spent resolving, exchanging and deciding windows
         self.exchange_wait_ns = 0  #: part of window_work_ns spent blocked waiting for the all-gather
         self.flush_ns = 0  #: host time spent in flush() (end of training; includes waiting for peers)
@@ -157,7 +156,6 @@ class Pacer:
 
     def enter_sync(self) -> None:
         """Called by the comm hook for the step's first gradient bucket: apply the delay, mark arrival."""
-        self.hook_calls += 1
         step = self._open
         if step is None:  # hook fired outside begin/end (a bare DDP loop): open a step implicitly
             self.begin_step(self._steps_seen)
@@ -177,7 +175,6 @@ class Pacer:
 
     def note_bucket(self) -> None:
         """Called by the comm hook for every later bucket: one mark and one append."""
-        self.hook_calls += 1
         if self._open is not None:
             self._open.handoffs.append(self.clock.mark())
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from pace_strategy.core.records import Decision, StepSummary
+from pace_strategy.core.skew import coefficient_of_variation
 
 __all__ = [
     "RECORD_FILENAME",
@@ -265,8 +266,7 @@ def summarize(record: RunRecord) -> RunSummary:
         counts[int(s["straggler_rank"])] += 1
     straggler = max(range(world), key=counts.__getitem__) if world else -1
     step_times = [s["step_ms"] for s in steps if s["step_ms"] is not None]
-    mean = statistics.fmean(step_times) if step_times else 0.0
-    cv = statistics.pstdev(step_times) / mean if len(step_times) > 1 and mean > 0 else 0.0
+    cv = coefficient_of_variation(step_times)
     active = [s for s in steps if s["pacing_active"]]
     delays = [s["delay_ms_max"] for s in active]
     last = record.decisions[-1] if record.decisions else {"state": "monitor", "reason": "no decision yet"}
