@@ -105,7 +105,7 @@ class Pacer:
         self.summarizer = StepSummarizer(config.cv_window_steps)
         self._watch = _StragglerWatch(config, self.clock)
         self._build_summaries = summaries
-        self.window_work_ns = 0  #: host time spent resolving, exchanging and deciding windows
+        self.window_work_ns = 0  #: host time end_step spent resolving, exchanging and deciding windows
         self.exchange_wait_ns = 0  #: part of window_work_ns spent blocked waiting for the all-gather
         self.flush_ns = 0  #: host time spent in flush() (end of training; includes waiting for peers)
 
@@ -202,47 +202,44 @@ class Pacer:
         self._prev_done = step.done
         self._steps_seen += 1
         self._unresolved.append(step)
+        k = self.config.exchange_every_steps
+        due = len(self._unresolved) >= k + self.clock.resolve_lag_steps
+        if self._pending is None and not due:
+            return None
+        # Window work happens here only, once per window; its cost is what monitoring adds to a step.
+        started = time.perf_counter_ns()
         result = None
         if self._pending is not None:
             # Launched one step ago: by now it has almost always completed, so this wait is free.
-            result = self._complete(self._pending)
+            gathered = self.exchange.wait(self._pending)
+            self.exchange_wait_ns += time.perf_counter_ns() - started
             self._pending = None
-        k = self.config.exchange_every_steps
-        if len(self._unresolved) >= k + self.clock.resolve_lag_steps:
+            result = self._decide(gathered)
+        if due:
             self._pending = self._launch(k)
+        elapsed_ns = time.perf_counter_ns() - started
+        self.window_work_ns += elapsed_ns
+        log.debug("step %d: window work %.3f ms", step.step, elapsed_ns / 1e6)
         return result
 
     # ------------------------------------------------------------------ per window
     def flush(self) -> list[WindowResult]:
-        """Exchange everything not yet exchanged (end of training). Every rank must call it."""
-        started = time.perf_counter_ns()
-        work_before, wait_before = self.window_work_ns, self.exchange_wait_ns
-        try:
-            return self._flush_untimed()
-        finally:
-            # Counted apart: waiting here for the slowest rank to finish training is not a per-step cost.
-            self.flush_ns += time.perf_counter_ns() - started
-            self.window_work_ns, self.exchange_wait_ns = work_before, wait_before
+        """Exchange everything not yet exchanged (end of training). Every rank must call it.
 
-    def _flush_untimed(self) -> list[WindowResult]:
+        Timed apart (``flush_ns``): waiting here for the slowest rank to finish training is not a
+        per-step cost."""
+        started = time.perf_counter_ns()
         results = []
         if self._pending is not None:
-            results.append(self._complete(self._pending))
+            results.append(self._decide(self.exchange.wait(self._pending)))
             self._pending = None
         if self._unresolved:
-            results.append(self._complete(self._launch(len(self._unresolved))))
+            pending = self._launch(len(self._unresolved))
+            results.append(self._decide(self.exchange.wait(pending)))
+        self.flush_ns += time.perf_counter_ns() - started
         return results
 
     def _launch(self, count: int) -> PendingGather:
-        started = time.perf_counter_ns()
-        try:
-            return self._launch_untimed(count)
-        finally:
-            elapsed_ns = time.perf_counter_ns() - started
-            self.window_work_ns += elapsed_ns
-            log.debug("window %d: launched in %.3f ms", self._window, elapsed_ns / 1e6)
-
-    def _launch_untimed(self, count: int) -> PendingGather:
         steps, self._unresolved = self._unresolved[:count], self._unresolved[count:]
         rows = torch.tensor([self._resolve(s) for s in steps], dtype=torch.float64)
         return self.exchange.start(rows, steps[0].step, steps[-1].step)
@@ -266,21 +263,8 @@ class Pacer:
             row[Field.HANDOFF_SPAN_MS] = el(s.arrival, s.handoffs[-1])
         return row
 
-    def _complete(self, pending: PendingGather) -> WindowResult:
-        started = time.perf_counter_ns()
-        try:
-            return self._complete_untimed(pending)
-        finally:
-            elapsed_ns = time.perf_counter_ns() - started
-            self.window_work_ns += elapsed_ns
-            log.debug("window %d: completed in %.3f ms", self._window - 1, elapsed_ns / 1e6)
-
-    def _complete_untimed(self, pending: PendingGather) -> WindowResult:
-        started = time.perf_counter_ns()
-        gathered = self.exchange.wait(pending)
-        waited_ns = time.perf_counter_ns() - started
-        self.exchange_wait_ns += waited_ns
-        log.debug("window %d: waited %.3f ms for the exchange", self._window, waited_ns / 1e6)
+    def _decide(self, gathered: torch.Tensor) -> WindowResult:
+        """Check, decide and summarize one gathered window (identically on every rank)."""
         labels = gathered[:, :, Field.STEP]
         if not bool((labels == labels[0:1]).all()):
             raise PaceDistributedError(
