@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from pace_strategy.telemetry.run_record import RECORD_FILENAME, SCHEMA, SCHEMA_VERSION, RunRecordError
+from pace_strategy.telemetry.run_record import RECORD_FILENAME, TRUNCATED, RunRecordError, iter_run_record
 
 __all__ = ["RunArrays", "find_run_record", "load_arrays"]
 
@@ -80,18 +79,8 @@ def find_run_record(run_dir: str | os.PathLike[str]) -> Path:
 def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
     """Load a run record (file or directory) into arrays; tolerates a truncated last line."""
     p = find_run_record(path)
-    with p.open("r", encoding="utf-8") as f:
-        lines = f.readlines()
-    if not lines:
-        raise RunRecordError(f"run record {p} is empty")
-    try:
-        header = json.loads(lines[0])
-    except json.JSONDecodeError as error:
-        raise RunRecordError(f"{p} line 1 is not valid JSON: {error}") from error
-    if header.get("record") != "header" or header.get("schema") != SCHEMA:
-        raise RunRecordError(f"{p} is not a pace_strategy run record (no {SCHEMA!r} header on line 1)")
-    if int(header.get("version", -1)) > SCHEMA_VERSION:
-        raise RunRecordError(f"{p} has schema version {header['version']}; upgrade pace_strategy to read it")
+    objs = iter_run_record(p)
+    header = next(objs)
     world = int(header["world_size"])
     cols: dict[str, list[Any]] = {k: [] for k in _RANK_FIELDS}
     steps, step_ms, active = [], [], []
@@ -99,17 +88,7 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
     end = None
     truncated = False
     total = 0
-    loads = json.loads
-    for number, line in enumerate(lines[1:], start=2):
-        if not line.strip():
-            continue
-        try:
-            obj = loads(line)
-        except json.JSONDecodeError as error:
-            if number == len(lines):
-                truncated = True
-                break
-            raise RunRecordError(f"{p} line {number} is not valid JSON: {error}") from error
+    for obj in objs:
         kind = obj.get("record")
         if kind == "step":
             total += 1
@@ -125,6 +104,8 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
             decisions.append(obj)
         elif kind == "end":
             end = obj
+        elif kind == TRUNCATED:
+            truncated = True
 
     def arr(k: str) -> np.ndarray:
         a = np.asarray(cols[k], dtype=np.float64)

@@ -12,7 +12,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -28,6 +28,7 @@ __all__ = [
     "RunRecordError",
     "RunRecordWriter",
     "RunSummary",
+    "iter_run_record",
     "read_run_record",
     "summarize",
 ]
@@ -175,30 +176,9 @@ def read_run_record(path: str | os.PathLike[str]) -> RunRecord:
         raise RunRecordError(
             f"no run record at {p}: expected the {RECORD_FILENAME} that paced training writes"
         )
-    lines = p.read_text(encoding="utf-8").splitlines()
-    if not lines:
-        raise RunRecordError(f"run record {p} is empty")
-    objs: list[dict[str, Any]] = []
-    truncated = False
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            objs.append(json.loads(line))
-        except json.JSONDecodeError as error:
-            if number == len(lines):
-                truncated = True  # a crash mid-write; everything before it is intact
-                break
-            raise RunRecordError(f"run record {p} line {number} is not valid JSON: {error}") from error
-    if not objs or objs[0].get("record") != "header" or objs[0].get("schema") != SCHEMA:
-        raise RunRecordError(f"{p} is not a pace_strategy run record (no {SCHEMA!r} header on line 1)")
-    if int(objs[0].get("version", -1)) > SCHEMA_VERSION:
-        raise RunRecordError(
-            f"{p} has run-record schema version {objs[0]['version']}; this pace_strategy reads up to "
-            f"{SCHEMA_VERSION}. Upgrade pace_strategy."
-        )
-    record = RunRecord(path=p, header=objs[0], truncated=truncated)
-    for obj in objs[1:]:
+    objs = iter_run_record(p)
+    record = RunRecord(path=p, header=next(objs))
+    for obj in objs:
         kind = obj.get("record")
         if kind == "step":
             record.steps.append(obj)
@@ -206,7 +186,52 @@ def read_run_record(path: str | os.PathLike[str]) -> RunRecord:
             record.decisions.append(obj)
         elif kind == "end":
             record.end = obj
+        elif kind == TRUNCATED:
+            record.truncated = True
     return record
+
+
+#: ``record`` value of the marker object that ``iter_run_record`` yields for a cut-off last line.
+TRUNCATED = "truncated"
+
+
+def iter_run_record(p: Path) -> Iterator[dict[str, Any]]:
+    """The objects of run-record file ``p`` in order, the header first (checked against the schema).
+
+    A cut-off last line (a crash mid-write; everything before it is intact) ends the iteration with
+    ``{"record": "truncated"}``; any other unreadable line, a missing header or a newer schema
+    version raises ``RunRecordError``.
+    """
+    with p.open(encoding="utf-8") as f:
+        lines = f.readlines()
+    if not lines:
+        raise RunRecordError(f"run record {p} is empty")
+    not_a_record = f"{p} is not a pace_strategy run record (no {SCHEMA!r} header on line 1)"
+    header_seen = False
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines) and header_seen:
+                yield {"record": TRUNCATED}
+                return
+            if number == len(lines):
+                raise RunRecordError(not_a_record) from error
+            raise RunRecordError(f"run record {p} line {number} is not valid JSON: {error}") from error
+        if not header_seen:
+            if obj.get("record") != "header" or obj.get("schema") != SCHEMA:
+                raise RunRecordError(not_a_record)
+            if int(obj.get("version", -1)) > SCHEMA_VERSION:
+                raise RunRecordError(
+                    f"{p} has run-record schema version {obj['version']}; this pace_strategy reads up to "
+                    f"{SCHEMA_VERSION}. Upgrade pace_strategy."
+                )
+            header_seen = True
+        yield obj
+    if not header_seen:
+        raise RunRecordError(not_a_record)
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
