@@ -63,30 +63,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _parse_value(text: str) -> Any:
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def _pacing_overrides(items: Sequence[str]) -> dict[str, Any]:
-    from pace_strategy.core.errors import PacingConfigError
-
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise PacingConfigError(f"--pacing {item!r} is invalid: expected FIELD=VALUE, e.g. mode=monitor")
-        out[key.strip()] = _parse_value(value.strip())
-    return out
-
-
 def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     import lightning as L
     import torch
@@ -97,6 +73,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from pace_strategy.core.errors import PacingConfigError
     from pace_strategy.inject import Straggler, parse_stragglers
     from pace_strategy.integrations.lightning import InjectStraggler, PacedDDPStrategy
+    from pace_strategy.settings import load_mapping
 
     compute_s = args.compute_ms / 1e3
 
@@ -130,7 +107,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         collate_fn=_SlowCollate(parse_stragglers(args.data_delay)),
     )
 
-    overrides = _pacing_overrides(args.pacing)
+    overrides = load_mapping(None, args.pacing)
     strategy: Any = args.strategy  # a registered name: "paced_ddp" uses the default PacingConfig
     if overrides and args.strategy in ("paced_ddp", "paced_ddp_spawn"):
         start = "spawn" if args.strategy.endswith("spawn") else "popen"

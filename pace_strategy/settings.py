@@ -28,7 +28,8 @@ def load_mapping(path: str | os.PathLike[str] | None, overrides: Sequence[str] =
     for item in overrides:
         if "=" not in item:
             raise PacingConfigError(
-                f"override {item!r} is invalid: expected key.sub=value, e.g. compute.base_ms=90"
+                f"override {item!r} is invalid: expected key=value (dotted keys for nested fields, "
+                "e.g. compute.base_ms=90)"
             )
     merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
     container = OmegaConf.to_container(merged, resolve=True)

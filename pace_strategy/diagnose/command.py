@@ -37,15 +37,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pace_strategy.diagnose.arrays import load_arrays
     from pace_strategy.diagnose.config import DiagnosisConfig
     from pace_strategy.diagnose.findings import diagnose
+    from pace_strategy.settings import load_mapping
 
     try:
-        overrides = {}
-        for item in args.set:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise PacingConfigError(f"--set {item!r} is invalid: expected FIELD=VALUE")
-            overrides[key] = float(value) if "." in value or "e" in value.lower() else int(value)
-        cfg = DiagnosisConfig.from_dict(overrides)
+        cfg = DiagnosisConfig.from_dict(load_mapping(None, args.set))
         started = time.monotonic()
         arrays = load_arrays(args.run_dir)
         result = diagnose(arrays, cfg)
