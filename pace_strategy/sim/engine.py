@@ -106,11 +106,9 @@ def run_steps(
         extra = _spin_extra(ready, arrival, gpus_per_node, spin_contention)
         ready = ready + extra
         arrival = arrival + extra
-        last = arrival.max(axis=1)
-        start_of_collective = last
-        end = np.maximum(start_of_collective + d.collective_ms, (arrival + tail).max(axis=1))
-        step = end + d.other_ms
-        wait = (start_of_collective + d.collective_ms)[:, None] - arrival
+        collective_done = arrival.max(axis=1) + d.collective_ms  # it starts when the last rank arrives
+        step = np.maximum(collective_done, (arrival + tail).max(axis=1)) + d.other_ms
+        wait = collective_done[:, None] - arrival
         index = np.arange(done, done + k)
         keep = index >= warmup_steps
         step_times.append(step[keep])

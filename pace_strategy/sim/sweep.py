@@ -108,15 +108,13 @@ class SweepRow:
 def sweep(cfg: SimConfig, progress: Callable[[str], None] | None = None) -> list[SweepRow]:
     """Every node count of ``cfg``, without and with pacing (common random numbers)."""
     rows: list[SweepRow] = []
-    first: tuple[float, float] | None = None
+    first: float | None = None  # per-rank unpaced throughput of the first row
     for i, nodes in enumerate(cfg.nodes):
         plain = simulate(cfg, nodes, paced=False)
         paced = simulate(cfg, nodes, paced=True)
         per_rank = (plain.throughput / plain.ranks, paced.throughput / paced.ranks)
-        first = first or per_rank
-        rows.append(
-            SweepRow(nodes, plain.ranks, plain, paced, per_rank[0] / first[0], per_rank[1] / first[0])
-        )
+        first = first or per_rank[0]
+        rows.append(SweepRow(nodes, plain.ranks, plain, paced, per_rank[0] / first, per_rank[1] / first))
         if progress is not None:
             progress(f"[{i + 1}/{len(cfg.nodes)}] {nodes} nodes ({plain.ranks} ranks) done")
     return rows
