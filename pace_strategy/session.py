@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -94,6 +95,14 @@ class PacingSession:
         self._publisher: _Publisher | None = None
         # Summaries are built on the telemetry thread: only rank 0 needs them, decisions do not.
         self._summarizer = StepSummarizer(config.cv_window_steps)
+
+    @classmethod
+    def with_side_group(cls, config: PacingConfig, **kwargs: Any) -> PacingSession:
+        """A session on its own gloo group (see :func:`side_group`), which it releases at ``finish``.
+
+        Collective on every rank; ``kwargs`` are the constructor's other arguments.
+        """
+        return cls(config, group=side_group(config), owns_group=True, **kwargs)
 
     def end_step(self) -> WindowResult | None:
         """Forward the end of a step to the pacer and publish any window that completed."""

@@ -27,7 +27,7 @@ from pace_strategy.core.config import PacingConfig, check_known_keys
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.hooks.ddp import register_paced_hook
 from pace_strategy.integrations.data import time_dataloader
-from pace_strategy.session import PacingSession, side_group
+from pace_strategy.session import PacingSession
 
 __all__ = ["ENV_PREFIX", "PacingHandle", "attach_pacing", "config_from_env", "config_to_env"]
 
@@ -130,13 +130,11 @@ def attach_pacing(accelerator: Any, model: Any, config: PacingConfig | None = No
             f"{type(model).__name__}. Pass the prepared model (FSDP is not supported by attach_pacing yet)."
         )
     rank = accelerator.process_index
-    session = PacingSession(
+    session = PacingSession.with_side_group(
         cfg,
         rank=rank,
         world_size=accelerator.num_processes,
         device=accelerator.device,
-        group=side_group(cfg),
-        owns_group=True,
         framework="accelerate",
         log_dir=_run_dir(accelerator) if rank == 0 else None,
         metrics_sink=lambda metrics, step: accelerator.log(dict(metrics), step=step),

@@ -17,7 +17,7 @@ from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.hooks.ddp import register_paced_hook
 from pace_strategy.inject import Straggler, sleep_injected
 from pace_strategy.integrations.data import time_dataloader
-from pace_strategy.session import PacingSession, side_group
+from pace_strategy.session import PacingSession
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +66,11 @@ class _PacedDDPBody:
         if inner_hook is not None and self._ddp_comm_wrapper is not None:
             inner_hook = self._ddp_comm_wrapper(inner_hook)
         trainer = self.lightning_module.trainer
-        session = PacingSession(
+        session = PacingSession.with_side_group(
             self.pacing_config,
             rank=self.global_rank,
             world_size=self.world_size,
             device=self.root_device,
-            group=side_group(self.pacing_config),
-            owns_group=True,
             framework="lightning",
             log_dir=_log_dir(trainer) if self.global_rank == 0 else None,
             metrics_sink=_metrics_sink(trainer),
