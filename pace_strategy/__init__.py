@@ -1,10 +1,12 @@
 """pace_strategy: barrier-arrival skew monitoring and adaptive pacing for synchronous data-parallel training.
 
-``import pace_strategy`` registers the ``paced_ddp`` and ``paced_ddp_spawn`` Lightning strategies
-(in ``lightning.pytorch`` and, when installed, ``pytorch_lightning``).
+``import pace_strategy`` registers the ``paced_ddp``, ``paced_ddp_spawn`` and ``paced_fsdp`` Lightning
+strategies (in ``lightning.pytorch`` and, when installed, ``pytorch_lightning``).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from pace_strategy._version import __version__
 from pace_strategy.core import (
@@ -25,12 +27,17 @@ from pace_strategy.integrations.accelerate import PacingHandle, attach_pacing
 from pace_strategy.session import PacingSession
 from pace_strategy.telemetry import RunRecord, read_run_record, summarize
 
+# A torch without FSDP2 custom collectives: everything but paced FSDP works.
+with contextlib.suppress(ImportError):
+    from pace_strategy.hooks.fsdp import auto_shard, register_paced_collectives
+
 __all__ = [
     "Decision",
     "InjectStraggler",
     "PaceDistributedError",
     "PaceTimeoutError",
     "PacedDDPStrategy",
+    "PacedFSDPStrategy",
     "PacedHookState",
     "Pacer",
     "PacingConfig",
@@ -45,8 +52,10 @@ __all__ = [
     "WindowResult",
     "__version__",
     "attach_pacing",
+    "auto_shard",
     "paced_comm_hook",
     "read_run_record",
+    "register_paced_collectives",
     "register_paced_hook",
     "summarize",
 ]
@@ -55,6 +64,7 @@ try:
     from pace_strategy.integrations.lightning import (
         InjectStraggler,
         PacedDDPStrategy,
+        PacedFSDPStrategy,
         register_lightning_strategies,
     )
 except ImportError:  # Lightning is optional for the core; the strategies need it

@@ -210,15 +210,22 @@ class _FailAt(_callback_base()):  # type: ignore[misc]
 
 
 class _SaveWeights(_callback_base()):  # type: ignore[misc]
+    """Rank 0 saves the final full state_dict (FSDP shards are gathered first, on every rank)."""
+
     def __init__(self, path: str) -> None:
         self.path = path
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         import torch
+        from torch.distributed.tensor import DTensor
 
+        state = pl_module.state_dict()
+        # Every rank holds the same kind of parameters, so every rank takes the same branch here.
+        if any(isinstance(v, DTensor) for v in state.values()):
+            state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
         if trainer.global_rank == 0:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            torch.save({k: v.detach().clone() for k, v in pl_module.state_dict().items()}, self.path)
+            torch.save({k: v.detach().clone() for k, v in state.items()}, self.path)
 
 
 class _StepTimes(_callback_base()):  # type: ignore[misc]

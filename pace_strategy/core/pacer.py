@@ -3,7 +3,9 @@
 The adapters (DDP comm hook, Lightning, Accelerate) call four methods in this order each step:
 ``begin_step`` (batch ready), ``enter_sync`` (first gradient bucket, from the comm hook; applies the
 delay), ``sync_done_callback`` (chained onto the last bucket's future) and ``end_step`` (after the
-optimizer step). The hot path is a clock mark and an append; everything else happens once per window.
+optimizer step). FSDP, whose all-gathers and reduce-scatters are each a sync point, brackets every
+collective with ``enter_collective`` / ``exit_collective`` instead (the first applies the delay).
+The hot path is a clock mark and an append; everything else happens once per window.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class _OpenStep:
     delay_ms: float = 0.0
     data_ms: float = 0.0
     handoffs: list[Any] = field(default_factory=list)
+    #: (hand-off, completion) marks of each collective timed on its own (FSDP); empty for DDP buckets
+    collectives: list[tuple[Any, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,33 @@ class Pacer:
         if self._open is not None:
             self._open.handoffs.append(self.clock.mark())
 
+    def enter_collective(self) -> Any | None:
+        """A collective of the open step is about to be issued (FSDP all-gather or reduce-scatter).
+
+        The step's first collective is its sync point: the delay is applied there, as in
+        :meth:`enter_sync`. Returns the hand-off mark for :meth:`exit_collective`, or ``None`` outside
+        a training step (validation, checkpointing), where nothing is measured or delayed.
+        """
+        step = self._open
+        if step is None:
+            return None
+        if step.ready is None:
+            self.enter_sync()
+            return step.arrival
+        start = self.clock.mark()
+        step.handoffs.append(start)
+        return start
+
+    def exit_collective(self, start: Any | None) -> None:
+        """The collective handed off at ``start`` has completed (on CUDA: the mark is enqueued after it
+        on the stream that waits for it)."""
+        step = self._open
+        if step is None or start is None:
+            return
+        end = self.clock.mark()
+        step.collectives.append((start, end))
+        step.done = end
+
     def sync_done_callback(self) -> Callable[[torch.futures.Future[Any]], Any]:
         """A callback for the last bucket's future that marks completion and passes the value through."""
         step = self._open
@@ -251,7 +282,11 @@ class Pacer:
         seen = s.ready is not None and s.arrival is not None and s.done is not None
         row[Field.VALID] = 1.0 if seen else 0.0
         row[Field.WARMUP] = 1.0 if s.warmup else 0.0
-        if seen:
+        if seen and s.collectives:
+            blocked = sum(el(a, b) for a, b in s.collectives)
+            row[Field.WAIT_MS] = blocked
+            row[Field.COMPUTE_MS] = max(el(s.begin, s.done) - blocked - s.delay_ms, 0.0)
+        elif seen:
             row[Field.COMPUTE_MS] = el(s.begin, s.ready)
             row[Field.WAIT_MS] = el(s.arrival, s.done)
         row[Field.DELAY_MS] = s.delay_ms

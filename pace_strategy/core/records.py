@@ -17,14 +17,18 @@ class Field(enum.IntEnum):
     STEP = 0  #: global step label (checked for agreement across ranks)
     VALID = 1  #: 1.0 when the gradient sync point was seen this step (the comm hook fired), else 0.0
     WARMUP = 2  #: 1.0 for warm-up steps (excluded from statistics and pacing)
-    COMPUTE_MS = 3  #: batch ready -> ready to enter the sync point (forward, backward), without the delay
-    WAIT_MS = 4  #: arrival at the sync point -> completion of the step's last gradient collective
+    #: DDP: batch ready -> ready to enter the sync point (forward, backward), without the delay.
+    #: FSDP: batch ready -> last collective done, less the time blocked in collectives and the delay.
+    COMPUTE_MS = 3
+    #: DDP: arrival at the sync point -> completion of the step's last gradient collective.
+    #: FSDP: the sum over the step's all-gathers and reduce-scatters of hand-off -> completion.
+    WAIT_MS = 4
     DELAY_MS = 5  #: pacing delay applied before the first gradient collective
     STEP_MS = 6  #: wall time of the step on this rank (start -> after the optimizer step)
     DATA_MS = 7  #: time the training loop was blocked fetching this step's input (``add_data_wait``)
     GAP_MS = 8  #: previous step's collective completion -> this batch ready (optimizer, loop, input, ...)
-    BUCKETS = 9  #: gradient buckets handed to the collective this step
-    HANDOFF_SPAN_MS = 10  #: first -> last bucket hand-off (how far backward overlapped communication)
+    BUCKETS = 9  #: gradient buckets (DDP) or collectives (FSDP) handed to the backend this step
+    HANDOFF_SPAN_MS = 10  #: first -> last hand-off (how far computation overlapped communication)
 
 
 NUM_FIELDS = len(Field)

@@ -5,8 +5,8 @@ third-party classes, so the pacing configuration travels as environment variable
 reads the ``pacing_config:`` section of the accelerate config and exports them; plain
 ``accelerate launch`` with ``PACE_*`` set by hand works the same. ``attach_pacing`` registers the
 comm hook on the prepared DDP model (accelerate's ``DistributedDataParallelKwargs`` cannot carry a
-custom hook), marks steps from the model's forward and the optimizer's step, and logs through
-``accelerator.log``.
+custom hook) or routes an FSDP2 model's all-gathers and reduce-scatters through the pacer, marks
+steps from the model's forward and the optimizer's step, and logs through ``accelerator.log``.
 """
 
 from __future__ import annotations
@@ -111,8 +111,16 @@ def _run_dir(accelerator: Any) -> Path:
     return Path.cwd() / "pace_runs" / time.strftime("%Y%m%d-%H%M%S")
 
 
+def _is_fsdp2(model: Any) -> bool:
+    try:
+        from pace_strategy.hooks.fsdp import fsdp_modules
+    except ImportError:
+        return False
+    return bool(fsdp_modules(model))
+
+
 def attach_pacing(accelerator: Any, model: Any, config: PacingConfig | None = None) -> PacingHandle:
-    """Monitor and pace ``model``, the DDP model returned by ``accelerator.prepare(...)``.
+    """Monitor and pace ``model``, the DDP or FSDP2 model returned by ``accelerator.prepare(...)``.
 
     Call it after ``prepare`` on every rank. The config comes from ``config``, else from ``PACE_*``
     variables (set by ``pace launch`` from the accelerate config's ``pacing_config:`` section), else
@@ -124,10 +132,11 @@ def attach_pacing(accelerator: Any, model: Any, config: PacingConfig | None = No
     if accelerator.num_processes < 2:
         log.warning("pace_strategy: a single process has no skew to monitor; attach_pacing does nothing")
         return PacingHandle(None)
-    if not isinstance(model, DistributedDataParallel):
+    fsdp = _is_fsdp2(model)
+    if not fsdp and not isinstance(model, DistributedDataParallel):
         raise TypeError(
-            f"attach_pacing needs the DistributedDataParallel model that accelerator.prepare returned, got "
-            f"{type(model).__name__}. Pass the prepared model (FSDP is not supported by attach_pacing yet)."
+            f"attach_pacing needs the model that accelerator.prepare returned, wrapped in "
+            f"DistributedDataParallel or sharded with FSDP2 (fsdp_version: 2), got {type(model).__name__}."
         )
     rank = accelerator.process_index
     session = PacingSession.with_side_group(
@@ -141,7 +150,12 @@ def attach_pacing(accelerator: Any, model: Any, config: PacingConfig | None = No
         local_rank=accelerator.local_process_index,
     )
     handle = PacingHandle(session)
-    register_paced_hook(model, session.pacer)
+    if fsdp:
+        from pace_strategy.hooks.fsdp import register_paced_collectives
+
+        register_paced_collectives(model, session.pacer)
+    else:
+        register_paced_hook(model, session.pacer)
 
     # A step begins when its first batch is ready (the timed dataloader), or, for a script that feeds
     # the model itself, at its first forward; it ends after the synchronizing optimizer step. So an

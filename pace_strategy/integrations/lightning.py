@@ -1,7 +1,8 @@
-"""Lightning adapter: ``paced_ddp`` / ``paced_ddp_spawn`` strategies and the straggler-injection callback.
+"""Lightning adapter: ``paced_ddp`` / ``paced_ddp_spawn`` / ``paced_fsdp`` and the straggler callback.
 
-The strategy is one subclass below Lightning's ``DDPStrategy``; everything it adds is forwarding of
-step events to a :class:`~pace_strategy.session.PacingSession`. The same body serves
+Each strategy is one subclass below Lightning's own (``DDPStrategy``, ``ModelParallelStrategy`` for
+FSDP2); everything it adds is forwarding of step events to a
+:class:`~pace_strategy.session.PacingSession`. The same body serves
 ``lightning.pytorch`` and the standalone ``pytorch_lightning`` package (their classes differ).
 """
 
@@ -21,7 +22,7 @@ from pace_strategy.session import PacingSession
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InjectStraggler", "PacedDDPStrategy", "register_lightning_strategies"]
+__all__ = ["InjectStraggler", "PacedDDPStrategy", "PacedFSDPStrategy", "register_lightning_strategies"]
 
 #: (registry name, start method) of every strategy registered on import.
 STRATEGY_NAMES: tuple[tuple[str, str], ...] = (("paced_ddp", "popen"), ("paced_ddp_spawn", "spawn"))
@@ -39,10 +40,10 @@ def _as_config(pacing: PacingConfig | Mapping[str, Any] | None) -> PacingConfig:
     )
 
 
-class _PacedDDPBody:
-    """Methods shared by the ``lightning.pytorch`` and ``pytorch_lightning`` strategy classes."""
+class _PacedBody:
+    """Step events -> PacingSession; shared by every paced strategy of both Lightning packages."""
 
-    # Declared for the type checker; provided by DDPStrategy.
+    # Declared for the type checker; provided by Lightning's strategies.
     model: Any
     lightning_module: Any
     root_device: Any
@@ -50,21 +51,14 @@ class _PacedDDPBody:
     world_size: int
     node_rank: int
     local_rank: int
-    _ddp_comm_hook: Any
-    _ddp_comm_state: Any
-    _ddp_comm_wrapper: Any
 
     def _init_pacing(self, pacing: PacingConfig | Mapping[str, Any] | None) -> None:
         # Validated here, in the constructor: bad configuration fails before any process starts.
         self.pacing_config = _as_config(pacing)
         self.pacing_session: PacingSession | None = None
 
-    def _register_ddp_hooks(self) -> None:
-        # Stock DDPStrategy registers comm hooks on CUDA only and silently drops them on CPU; ours is
-        # registered on every device, wrapping the user's hook (or the default all-reduce).
-        inner_hook = self._ddp_comm_hook
-        if inner_hook is not None and self._ddp_comm_wrapper is not None:
-            inner_hook = self._ddp_comm_wrapper(inner_hook)
+    def _start_session(self) -> PacingSession:
+        """Collective on every rank: the session on its own side group, telemetry to the loggers."""
         trainer = self.lightning_module.trainer
         session = PacingSession.with_side_group(
             self.pacing_config,
@@ -78,7 +72,6 @@ class _PacedDDPBody:
             local_rank=self.local_rank,
         )
         self.pacing_session = session
-        register_paced_hook(self.model, session.pacer, inner_hook, self._ddp_comm_state)
         if self.global_rank == 0:
             log.info(
                 "pace_strategy: %s mode, exchange every %d steps, run record %s",
@@ -86,6 +79,7 @@ class _PacedDDPBody:
                 self.pacing_config.exchange_every_steps,
                 session.record_path,
             )
+        return session
 
     def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
         session = self.pacing_session
@@ -131,6 +125,110 @@ class _PacedDDPBody:
         super().teardown()  # type: ignore[misc]
 
 
+class _PacedDDPBody(_PacedBody):
+    """DDP: the pacing comm hook wraps the user's hook (or the default all-reduce)."""
+
+    _ddp_comm_hook: Any
+    _ddp_comm_state: Any
+    _ddp_comm_wrapper: Any
+
+    def _register_ddp_hooks(self) -> None:
+        # Stock DDPStrategy registers comm hooks on CUDA only and silently drops them on CPU; ours is
+        # registered on every device, wrapping the user's hook (or the default all-reduce).
+        inner_hook = self._ddp_comm_hook
+        if inner_hook is not None and self._ddp_comm_wrapper is not None:
+            inner_hook = self._ddp_comm_wrapper(inner_hook)
+        session = self._start_session()
+        register_paced_hook(self.model, session.pacer, inner_hook, self._ddp_comm_state)
+
+
+class _PacedFSDPBody(_PacedBody):
+    """FSDP2 on Lightning's ``ModelParallelStrategy`` (data parallel only by default): every
+    all-gather and reduce-scatter is timed, and the model is sharded for the user when
+    ``configure_model`` did not do it."""
+
+    _data_parallel_size: Any
+    _tensor_parallel_size: Any
+    device_mesh: Any
+    num_nodes: int
+    num_processes: int
+
+    def _init_sharding(self, auto_shard_min_params: int, auto_shard_classes: Sequence[type]) -> None:
+        if not isinstance(auto_shard_min_params, int) or auto_shard_min_params < 1:
+            raise PacingConfigError(
+                f"auto_shard_min_params={auto_shard_min_params!r} is invalid: expected an integer >= 1 "
+                "(parameters a block must hold to become its own FSDP shard group)."
+            )
+        self.auto_shard_min_params = auto_shard_min_params
+        self.auto_shard_classes = tuple(auto_shard_classes)
+        self.shard_groups: list[str] | None = None  #: what auto-sharding chose (None: the user sharded)
+
+    def setup_environment(self) -> None:
+        # Pure data parallelism unless asked otherwise: the whole world is one FSDP shard dimension.
+        if self._tensor_parallel_size == "auto":
+            self._tensor_parallel_size = 1
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes // self._tensor_parallel_size
+        super().setup_environment()  # type: ignore[misc]
+        module = self.lightning_module
+        if module is not None and not _overrides_configure_model(module):
+            # ModelParallelStrategy requires configure_model; a module without one is sharded by
+            # auto_shard, called where Lightning calls configure_model (inside its init contexts).
+            # An instance attribute, removed at teardown; the user's class is untouched.
+            module.configure_model = self._shard_if_needed
+
+    def _shard_if_needed(self) -> None:
+        """Shard each top-level submodule of the LightningModule with auto_shard, unless something
+        already is. The LightningModule itself is not sharded: ``training_step`` calls its submodules,
+        never its own ``forward``, so a group on it would never gather."""
+        from pace_strategy.hooks.fsdp import auto_shard, fsdp_modules
+
+        module = self.lightning_module
+        if fsdp_modules(module):
+            return
+        if any(True for _ in module.parameters(recurse=False)):
+            raise PacingConfigError(
+                f"paced_fsdp cannot auto-shard {type(module).__name__}: it holds parameters directly. "
+                "Move them into a submodule, or shard the model yourself in configure_model "
+                "(fully_shard or pace_strategy.auto_shard)."
+            )
+        groups: list[str] = []
+        for name, child in module.named_children():
+            if any(True for _ in child.parameters()):
+                chosen = auto_shard(
+                    child,
+                    self.device_mesh["data_parallel"],
+                    min_params=self.auto_shard_min_params,
+                    module_classes=self.auto_shard_classes,
+                )
+                groups += [f"{name}.{g}" if g else name for g in chosen]
+        self.shard_groups = groups
+        if self.global_rank == 0:
+            log.info("pace_strategy: auto-sharded into %d FSDP groups: %s", len(groups), groups)
+
+    def setup(self, trainer: Any) -> None:
+        from pace_strategy.hooks.fsdp import register_paced_collectives
+
+        self._shard_if_needed()  # a configure_model that did not call fully_shard
+        super().setup(trainer)  # type: ignore[misc]
+        session = self._start_session()
+        register_paced_collectives(self.model, session.pacer)
+
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None:
+            module.__dict__.pop("configure_model", None)
+        super().teardown()
+
+
+def _overrides_configure_model(module: Any) -> bool:
+    """Whether the user's LightningModule (its class or the instance) defines ``configure_model``."""
+    if "configure_model" in vars(module):
+        return True
+    definer = next(c for c in type(module).__mro__ if "configure_model" in vars(c))
+    return not definer.__module__.startswith(("lightning.pytorch.", "pytorch_lightning."))
+
+
 def _log_dir(trainer: Any) -> str:
     logger = trainer.logger
     if logger is not None and getattr(logger, "log_dir", None):
@@ -150,9 +248,12 @@ def _metrics_sink(trainer: Any) -> Any:
     return sink
 
 
-def _make_strategy_class(pl_module: str) -> Any:
+def _make_strategy_classes(pl_module: str) -> tuple[Any, Any]:
+    """``(PacedDDPStrategy, PacedFSDPStrategy)`` built on ``pl_module``'s own strategy classes."""
     strategies = importlib.import_module(f"{pl_module}.strategies")
     ddp_cls = strategies.DDPStrategy
+    fsdp_cls = strategies.ModelParallelStrategy
+    prefix = "" if pl_module == "lightning.pytorch" else "PL"
 
     class PacedDDPStrategy(_PacedDDPBody, ddp_cls):  # type: ignore[valid-type, misc]
         """Lightning ``DDPStrategy`` with barrier-arrival skew monitoring and adaptive pacing.
@@ -180,11 +281,51 @@ def _make_strategy_class(pl_module: str) -> Any:
                     start_method=start_method,
                 )
 
-    PacedDDPStrategy.__module__ = __name__
-    PacedDDPStrategy.__qualname__ = (
-        "PacedDDPStrategy" if pl_module == "lightning.pytorch" else ("PLPacedDDPStrategy")
-    )
-    return PacedDDPStrategy
+    class PacedFSDPStrategy(_PacedFSDPBody, fsdp_cls):  # type: ignore[valid-type, misc]
+        """FSDP2 (``fully_shard``) with skew monitoring and adaptive pacing, on Lightning's
+        ``ModelParallelStrategy``.
+
+        Every forward/backward all-gather and every gradient reduce-scatter is timed; the pacing delay
+        goes before the step's first collective. When the LightningModule's ``configure_model`` does
+        not call ``fully_shard`` (or there is none), the model is sharded by
+        :func:`pace_strategy.auto_shard`.
+
+        Args:
+            pacing: a :class:`~pace_strategy.PacingConfig`, a mapping of its fields, or ``None``.
+            auto_shard_min_params: parameters a block must hold to become its own shard group.
+            auto_shard_classes: module classes that are each a shard group (overrides the size rule).
+            data_parallel_size: FSDP shard dimension; ``"auto"`` = world size / tensor parallel size.
+            tensor_parallel_size: ``"auto"`` means 1 here (pure data parallelism).
+            **kwargs: ``ModelParallelStrategy``'s other arguments.
+        """
+
+        strategy_name = "paced_fsdp"
+
+        def __init__(
+            self,
+            *,
+            pacing: PacingConfig | Mapping[str, Any] | None = None,
+            auto_shard_min_params: int = 100_000,
+            auto_shard_classes: Sequence[type] = (),
+            **kwargs: Any,
+        ):
+            self._init_pacing(pacing)
+            self._init_sharding(auto_shard_min_params, auto_shard_classes)
+            super().__init__(**kwargs)
+
+        @classmethod
+        def register_strategies(cls, strategy_registry: Any) -> None:
+            strategy_registry.register(
+                "paced_fsdp",
+                cls,
+                description="FSDP2 with skew monitoring and adaptive pacing, auto-sharded when needed",
+                override=True,
+            )
+
+    for cls, name in ((PacedDDPStrategy, "PacedDDPStrategy"), (PacedFSDPStrategy, "PacedFSDPStrategy")):
+        cls.__module__ = __name__
+        cls.__qualname__ = cls.__name__ = prefix + name
+    return PacedDDPStrategy, PacedFSDPStrategy
 
 
 def _make_inject_callback(pl_module: str) -> Any:
@@ -211,14 +352,14 @@ def _make_inject_callback(pl_module: str) -> Any:
     return InjectStraggler
 
 
-PacedDDPStrategy = _make_strategy_class("lightning.pytorch")
+PacedDDPStrategy, PacedFSDPStrategy = _make_strategy_classes("lightning.pytorch")
 InjectStraggler = _make_inject_callback("lightning.pytorch")
 
 try:  # the standalone package, when installed, gets its own classes
-    PLPacedDDPStrategy: Any = _make_strategy_class("pytorch_lightning")
+    PLPacedDDPStrategy, PLPacedFSDPStrategy = _make_strategy_classes("pytorch_lightning")
     PLInjectStraggler: Any = _make_inject_callback("pytorch_lightning")
 except ImportError:
-    PLPacedDDPStrategy = None
+    PLPacedDDPStrategy = PLPacedFSDPStrategy = None
     PLInjectStraggler = None
 
 
@@ -227,10 +368,12 @@ def register_lightning_strategies() -> list[str]:
     from lightning.pytorch.strategies import StrategyRegistry
 
     PacedDDPStrategy.register_strategies(StrategyRegistry)
+    PacedFSDPStrategy.register_strategies(StrategyRegistry)
     packages = ["lightning.pytorch"]
     if PLPacedDDPStrategy is not None:
         from pytorch_lightning.strategies import StrategyRegistry as PLStrategyRegistry
 
         PLPacedDDPStrategy.register_strategies(PLStrategyRegistry)
+        PLPacedFSDPStrategy.register_strategies(PLStrategyRegistry)
         packages.append("pytorch_lightning")
     return packages

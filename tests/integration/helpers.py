@@ -1,4 +1,4 @@
-"""Run the demo training script in real processes and read back what it wrote."""
+"""Run the demo and recipe training scripts in real processes and read back what they wrote."""
 
 from __future__ import annotations
 
@@ -14,6 +14,30 @@ def run_demo(tmp_path: Path, *args: str, timeout: float = 150.0) -> subprocess.C
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.run(
         [sys.executable, "-m", "pace_strategy.demo", "--root", str(tmp_path / "runs"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "train"
+
+
+def run_recipe(
+    tmp_path: Path, recipe: str, *overrides: str, timeout: float = 150.0
+) -> subprocess.CompletedProcess[str]:
+    """``recipes/train/lightning_train.py RECIPE`` with logs under ``tmp_path/runs``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [
+            sys.executable,
+            str(RECIPES / "lightning_train.py"),
+            str(RECIPES / recipe),
+            f"output.root={tmp_path / 'runs'}",
+            *overrides,
+        ],
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -1,0 +1,193 @@
+"""FSDP2 (``fully_shard``): time every all-gather and reduce-scatter and pace the step's first one.
+
+With FSDP each collective is a sync point: a rank that is late to the forward all-gathers or to the
+gradient reduce-scatters makes the others wait there. torch (>= 2.8) lets a sharded module use a
+custom all-gather and reduce-scatter; the wrappers below compose over whatever the module used
+before (torch's default, or the user's own), hand every call to the real collective unchanged, and
+bracket it with the pacer's ``enter_collective`` / ``exit_collective``. So pacing never changes the
+math, only when the rank issues its first collective of the step.
+
+Only synchronous calls are timed to completion (FSDP's default, ``async_op=False``): on the host the
+call returns when the collective is done; on CUDA, c10d makes the current stream wait for it, so the
+event recorded after it marks completion. An asynchronous call (``unshard_async_op=True``) is counted
+as a hand-off only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# torch's FSDP2 with custom collectives; an ImportError here means a torch too old for paced FSDP.
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+from pace_strategy.core.errors import PacingConfigError
+from pace_strategy.core.pacer import Pacer
+
+__all__ = [
+    "PacedAllGather",
+    "PacedReduceScatter",
+    "auto_shard",
+    "fsdp_modules",
+    "register_paced_collectives",
+]
+
+
+class PacedAllGather(AllGather):
+    """An FSDP2 all-gather that times the wrapped one and applies the step's pacing delay."""
+
+    def __init__(self, pacer: Pacer, inner: Any | None = None) -> None:
+        self.pacer = pacer
+        self.inner = inner if inner is not None else DefaultAllGather()
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> Any:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        start = self.pacer.enter_collective()
+        work = self.inner(output_tensor, input_tensor, group, async_op)
+        if not async_op:
+            self.pacer.exit_collective(start)
+        return work
+
+
+class PacedReduceScatter(ReduceScatter):
+    """An FSDP2 reduce-scatter that times the wrapped one (the gradient sync of a parameter group)."""
+
+    def __init__(self, pacer: Pacer, inner: Any | None = None) -> None:
+        self.pacer = pacer
+        self.inner = inner if inner is not None else DefaultReduceScatter()
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> Any:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        start = self.pacer.enter_collective()
+        work = self.inner(output_tensor, input_tensor, group, op, async_op)
+        if not async_op:
+            self.pacer.exit_collective(start)
+        return work
+
+
+def fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that ``fully_shard`` was applied to, in ``modules()`` order."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _param_group(module: nn.Module) -> Any | None:
+    # The module's current collectives live on its parameter group (private in torch; read only to
+    # compose over a user's custom collective instead of silently replacing it).
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    return getattr(state, "_fsdp_param_group", None)
+
+
+def register_paced_collectives(model: nn.Module, pacer: Pacer) -> int:
+    """Route every FSDP2 all-gather and reduce-scatter of ``model`` through the pacer.
+
+    Idempotent per module. Returns the number of parameter groups instrumented; raises when ``model``
+    has none (``fully_shard`` was not applied).
+    """
+    count = 0
+    for module in fsdp_modules(model):
+        if not hasattr(module, "set_custom_all_gather"):
+            raise PacingConfigError(
+                f"this torch ({torch.__version__}) cannot give FSDP2 modules custom collectives "
+                "(FSDPModule.set_custom_all_gather); paced FSDP needs a newer torch."
+            )
+        group = _param_group(module)
+        if group is None:  # a root that holds no parameters of its own: no collectives to time
+            continue
+        all_gather = getattr(group, "_all_gather_comm", None)
+        reduce_scatter = getattr(group, "_reduce_scatter_comm", None)
+        if isinstance(all_gather, PacedAllGather):
+            all_gather = all_gather.inner
+        if isinstance(reduce_scatter, PacedReduceScatter):
+            reduce_scatter = reduce_scatter.inner
+        module.set_custom_all_gather(PacedAllGather(pacer, all_gather))  # type: ignore[operator]
+        module.set_custom_reduce_scatter(PacedReduceScatter(pacer, reduce_scatter))  # type: ignore[operator]
+        count += 1
+    if count == 0:
+        raise PacingConfigError(
+            f"{type(model).__name__} has no FSDP2 parameter group: apply fully_shard (or "
+            "pace_strategy.auto_shard) to the model before pacing it."
+        )
+    return count
+
+
+def auto_shard(
+    model: nn.Module,
+    mesh: Any | None = None,
+    *,
+    min_params: int = 100_000,
+    module_classes: Iterable[type[nn.Module]] = (),
+    **fully_shard_kwargs: Any,
+) -> list[str]:
+    """Apply ``fully_shard`` to the blocks of ``model`` and then to ``model`` itself.
+
+    The policy, when ``module_classes`` is empty, is size-based and bottom-up (the same rule as FSDP1's
+    ``size_based_auto_wrap_policy``): a submodule becomes its own shard group when it holds at least
+    ``min_params`` parameters that no descendant group took; containers (``ModuleList``,
+    ``Sequential``, ``ModuleDict``) are never groups themselves, so a stack of blocks gives one group
+    per block. With ``module_classes``, every instance of those classes is a group (e.g. the
+    transformer block class). The root always becomes a group and holds what is left. Returns the
+    qualified names of the groups, root last (``""``). ``mesh`` and ``fully_shard_kwargs`` go to
+    ``fully_shard``.
+    """
+    if fsdp_modules(model):
+        raise PacingConfigError(
+            f"{type(model).__name__} is already sharded (fully_shard was applied); auto_shard would "
+            "shard it twice. Shard it yourself or let auto_shard do it, not both."
+        )
+    if min_params < 1:
+        raise PacingConfigError(f"auto_shard min_params={min_params!r} is invalid: expected an integer >= 1.")
+    classes = tuple(module_classes)
+    containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+    chosen: list[tuple[str, nn.Module]] = []
+
+    def visit(name: str, module: nn.Module) -> int:
+        """Parameters of ``module`` not taken by a group below it."""
+        free = sum(p.numel() for p in module.parameters(recurse=False))
+        for child_name, child in module.named_children():
+            free += visit(f"{name}.{child_name}" if name else child_name, child)
+        if module is model:
+            return free
+        if classes:
+            take = isinstance(module, classes)
+        else:
+            take = free >= min_params and not isinstance(module, containers)
+        if take:
+            chosen.append((name, module))
+            return 0
+        return free
+
+    visit("", model)
+    kwargs = dict(fully_shard_kwargs)
+    if mesh is not None:
+        kwargs["mesh"] = mesh
+    for _, module in chosen:
+        fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+    return [name for name, _ in chosen] + [""]

@@ -1,0 +1,376 @@
+"""Training recipes: one omegaconf YAML (plus dotlist overrides) -> one typed, validated job.
+
+A recipe is a small real training job (an MLP on seeded random data) with an optional injected
+straggler, run by Lightning (``paced_ddp``, ``paced_fsdp`` and their unpaced baselines) or by
+Accelerate. The scripts in ``recipes/train/`` call :func:`load_recipe` and then
+:func:`run_lightning` or :func:`run_accelerate`; CPU or GPU and the process count come from the
+recipe or an override (``trainer.accelerator=gpu trainer.devices=8``), nothing else changes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pace_strategy.core.config import PacingConfig, check_known_keys
+from pace_strategy.core.errors import PacingConfigError
+from pace_strategy.inject import Straggler
+from pace_strategy.settings import build, load_mapping
+
+__all__ = [
+    "DataRecipe",
+    "FSDPRecipe",
+    "ModelRecipe",
+    "OutputRecipe",
+    "StragglerRecipe",
+    "TrainRecipe",
+    "TrainerRecipe",
+    "load_recipe",
+    "run_accelerate",
+    "run_lightning",
+]
+
+#: strategy name -> (paced?, FSDP?). ``ddp`` and ``fsdp`` are the unpaced baselines.
+LIGHTNING_STRATEGIES = {
+    "paced_ddp": (True, False),
+    "paced_ddp_spawn": (True, False),
+    "paced_fsdp": (True, True),
+    "ddp": (False, False),
+    "fsdp": (False, True),
+}
+FRAMEWORKS = ("lightning", "accelerate")
+
+
+def _fail(where: str, value: Any, expected: str) -> None:
+    raise PacingConfigError(f"{where}={value!r} is invalid: expected {expected}.")
+
+
+@dataclass(frozen=True)
+class TrainerRecipe:
+    """Where and how long to train."""
+
+    accelerator: str = "cpu"  #: Lightning accelerator name: ``cpu`` or ``gpu`` (Accelerate: from its config)
+    devices: int = 2  #: processes per node (Lightning; Accelerate takes ``num_processes`` from its config)
+    num_nodes: int = 1  #: nodes (Lightning)
+    strategy: str = "paced_ddp"  #: Lightning: paced_ddp, paced_ddp_spawn, paced_fsdp, ddp or fsdp
+    max_steps: int = 60  #: optimizer steps
+    accumulate: int = 1  #: micro-batches per optimizer step (gradient accumulation)
+
+    def __post_init__(self) -> None:
+        if self.strategy not in LIGHTNING_STRATEGIES:
+            _fail("trainer.strategy", self.strategy, "one of " + ", ".join(LIGHTNING_STRATEGIES))
+        for name in ("devices", "num_nodes", "max_steps", "accumulate"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                _fail(f"trainer.{name}", value, "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    """The MLP being trained."""
+
+    inputs: int = 64  #: input features
+    width: int = 256  #: hidden width
+    depth: int = 3  #: hidden blocks (Linear + ReLU), each its own FSDP shard group when large enough
+    classes: int = 10  #: output classes
+    lr: float = 0.05  #: SGD learning rate
+    compute_ms: float = 10.0  #: sleep per micro-batch standing in for accelerator time (0 on a real GPU)
+
+    def __post_init__(self) -> None:
+        for name in ("inputs", "width", "depth", "classes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                _fail(f"model.{name}", value, "an integer >= 1")
+        if self.lr <= 0:
+            _fail("model.lr", self.lr, "a learning rate > 0")
+        if self.compute_ms < 0:
+            _fail("model.compute_ms", self.compute_ms, "milliseconds >= 0")
+
+
+@dataclass(frozen=True)
+class DataRecipe:
+    """Seeded random classification data, the same on every run."""
+
+    batch_size: int = 32  #: samples per rank per micro-batch
+    seed: int = 1234  #: data seed (the model seed is ``TrainRecipe.seed``)
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            _fail("data.batch_size", self.batch_size, "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class StragglerRecipe:
+    """An injected straggler: ``rank`` sleeps ``delay_ms`` before its forward (``rank: null``: none)."""
+
+    rank: int | None = None  #: global rank to slow down; ``null`` for a clean run
+    delay_ms: float = 30.0  #: added time per affected step, milliseconds
+    probability: float = 1.0  #: chance per step (1.0: a persistent straggler)
+    jitter_ms: float = 0.0  #: uniform +/- spread on affected steps
+    seed: int = 0  #: seed of the per-step draws
+
+    def __post_init__(self) -> None:
+        if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 0):
+            _fail("straggler.rank", self.rank, "a global rank >= 0, or null for none")
+        # the field checks of Straggler, also for a section that is switched off (rank: null)
+        Straggler(rank=0, delay_ms=self.delay_ms, probability=self.probability, jitter_ms=self.jitter_ms)
+
+    def injection(self) -> Straggler | None:
+        """The :class:`~pace_strategy.Straggler` this section describes (validated), or ``None``."""
+        if self.rank is None:
+            return None
+        return Straggler(
+            rank=self.rank,
+            delay_ms=self.delay_ms,
+            probability=self.probability,
+            jitter_ms=self.jitter_ms,
+            seed=self.seed,
+        )
+
+
+@dataclass(frozen=True)
+class FSDPRecipe:
+    """How ``paced_fsdp`` (and the ``fsdp`` baseline) shard the model."""
+
+    min_params: int = 10_000  #: parameters a block must hold to become its own shard group
+
+    def __post_init__(self) -> None:
+        if self.min_params < 1:
+            _fail("fsdp.min_params", self.min_params, "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class OutputRecipe:
+    """Where the logs, the run record and (optionally) the final weights go."""
+
+    root: str = "runs/recipes"  #: log root (Lightning: TensorBoard root; Accelerate: project_dir parent)
+    name: str = "recipe"  #: experiment name under ``root``
+    save_weights: str | None = None  #: rank 0 saves the final full state_dict here (``torch.save``)
+
+
+@dataclass(frozen=True)
+class TrainRecipe:
+    """One training job. ``pacing`` holds :class:`~pace_strategy.PacingConfig` fields (empty or null:
+    the defaults; for Accelerate, the ``pacing_config:`` section of the accelerate config)."""
+
+    framework: str = "lightning"  #: ``lightning`` or ``accelerate``
+    seed: int = 0  #: model seed
+    trainer: TrainerRecipe = field(default_factory=TrainerRecipe)
+    model: ModelRecipe = field(default_factory=ModelRecipe)
+    data: DataRecipe = field(default_factory=DataRecipe)
+    straggler: StragglerRecipe = field(default_factory=StragglerRecipe)
+    fsdp: FSDPRecipe = field(default_factory=FSDPRecipe)
+    output: OutputRecipe = field(default_factory=OutputRecipe)
+    pacing: dict[str, Any] | None = field(default_factory=dict)  #: ``pacing=null`` clears the section
+
+    def __post_init__(self) -> None:
+        if self.framework not in FRAMEWORKS:
+            _fail("framework", self.framework, "one of " + ", ".join(FRAMEWORKS))
+        if self.pacing:
+            check_known_keys(self.pacing, list(PacingConfig.__dataclass_fields__), "key", prefix="pacing.")
+            self.pacing_config()  # validate now: a bad value fails at load, naming the field
+        if self.framework == "accelerate" and self.trainer.strategy not in ("paced_ddp", "ddp"):
+            _fail("trainer.strategy", self.trainer.strategy, "paced_ddp or ddp with framework=accelerate")
+
+    def pacing_config(self) -> PacingConfig | None:
+        """The pacing config of the recipe, or ``None`` when the section is empty."""
+        return PacingConfig.from_dict(self.pacing) if self.pacing else None
+
+    @property
+    def paced(self) -> bool:
+        return LIGHTNING_STRATEGIES[self.trainer.strategy][0]
+
+    @property
+    def sharded(self) -> bool:
+        return LIGHTNING_STRATEGIES[self.trainer.strategy][1]
+
+
+def load_recipe(path: str | os.PathLike[str] | None, overrides: Sequence[str] = ()) -> TrainRecipe:
+    """Load a recipe YAML merged with ``key.sub=value`` overrides; unknown keys are errors that name
+    the dotted path and suggest the nearest valid key."""
+    values = load_mapping(path, overrides)
+    where = f"{os.fspath(path)}: " if path is not None else ""
+    try:
+        return build(TrainRecipe, values)
+    except PacingConfigError as error:
+        raise PacingConfigError(f"{where}{error}") from error
+
+
+# ---------------------------------------------------------------------------------------- the job
+def _network(model: ModelRecipe) -> Any:
+    from torch import nn
+
+    layers: list[Any] = []
+    width_in = model.inputs
+    for _ in range(model.depth):
+        layers.append(nn.Sequential(nn.Linear(width_in, model.width), nn.ReLU()))
+        width_in = model.width
+    layers.append(nn.Linear(width_in, model.classes))
+    return nn.Sequential(*layers)
+
+
+def _dataset(recipe: TrainRecipe, world_size: int) -> Any:
+    import torch
+    from torch.utils.data import TensorDataset
+
+    n = recipe.trainer.max_steps * recipe.trainer.accumulate * recipe.data.batch_size * world_size
+    g = torch.Generator().manual_seed(recipe.data.seed)
+    x = torch.randn(n, recipe.model.inputs, generator=g)
+    return TensorDataset(x, torch.randint(0, recipe.model.classes, (n,), generator=g))
+
+
+def _lightning_strategy(recipe: TrainRecipe) -> Any:
+    from pace_strategy.integrations.lightning import PacedDDPStrategy, PacedFSDPStrategy
+
+    name = recipe.trainer.strategy
+    pacing = recipe.pacing_config()
+    if name in ("paced_ddp", "paced_ddp_spawn"):
+        start = "spawn" if name.endswith("spawn") else "popen"
+        return PacedDDPStrategy(pacing=pacing, start_method=start)
+    if name == "paced_fsdp":
+        return PacedFSDPStrategy(pacing=pacing, auto_shard_min_params=recipe.fsdp.min_params)
+    if pacing is not None:
+        raise PacingConfigError(f"pacing: is set but trainer.strategy={name!r} does not pace; remove one")
+    if name == "fsdp":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        world = recipe.trainer.devices * recipe.trainer.num_nodes  # its "auto" means num_nodes
+        return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    return name
+
+
+def run_lightning(recipe: TrainRecipe) -> int:
+    """Train the recipe with a Lightning Trainer; returns a process exit status."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader
+
+    import pace_strategy  # noqa: F401  (registers the strategies)
+    from pace_strategy.demo import _Progress, _SaveWeights
+    from pace_strategy.hooks.fsdp import auto_shard
+    from pace_strategy.integrations.lightning import InjectStraggler
+
+    if recipe.framework != "lightning":
+        _fail("framework", recipe.framework, "lightning for run_lightning")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    L.seed_everything(recipe.seed, verbose=False)
+    compute_s = recipe.model.compute_ms / 1e3
+    shard_baseline = recipe.trainer.strategy == "fsdp"
+
+    class RecipeModel(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _network(recipe.model)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            if compute_s > 0:
+                time.sleep(compute_s)  # stands in for accelerator time
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=recipe.model.lr)
+
+    class ShardedRecipeModel(RecipeModel):
+        """The unpaced FSDP baseline: Lightning's ModelParallelStrategy needs configure_model."""
+
+        def configure_model(self) -> None:
+            mesh = self.device_mesh
+            assert mesh is not None  # set by ModelParallelStrategy before configure_model
+            auto_shard(self.net, mesh["data_parallel"], min_params=recipe.fsdp.min_params)
+
+    callbacks: list[Any] = [_Progress(recipe.trainer.max_steps, quiet=False)]
+    injection = recipe.straggler.injection()
+    if injection is not None:
+        callbacks.append(InjectStraggler(injection))
+    if recipe.output.save_weights:
+        callbacks.append(_SaveWeights(recipe.output.save_weights))
+    world = recipe.trainer.devices * recipe.trainer.num_nodes
+    trainer = L.Trainer(
+        accelerator=recipe.trainer.accelerator,
+        devices=recipe.trainer.devices,
+        num_nodes=recipe.trainer.num_nodes,
+        strategy=_lightning_strategy(recipe),
+        max_steps=recipe.trainer.max_steps,
+        max_epochs=-1,
+        accumulate_grad_batches=recipe.trainer.accumulate,
+        logger=L.pytorch.loggers.TensorBoardLogger(recipe.output.root, name=recipe.output.name),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        log_every_n_steps=1,
+    )
+    loader = DataLoader(_dataset(recipe, world), batch_size=recipe.data.batch_size, shuffle=False)
+    model = ShardedRecipeModel() if shard_baseline else RecipeModel()
+    trainer.fit(model, loader)
+    if trainer.global_rank == 0 and trainer.logger is not None:
+        print(f"trained {trainer.global_step} steps; logs in {trainer.logger.log_dir}", flush=True)
+    return 0
+
+
+def run_accelerate(recipe: TrainRecipe) -> int:
+    """Train the recipe with Accelerate (start it with ``pace launch`` or ``accelerate launch``)."""
+    import torch
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from pace_strategy.inject import sleep_injected
+    from pace_strategy.integrations.accelerate import attach_pacing
+
+    if recipe.framework != "accelerate":
+        _fail("framework", recipe.framework, "accelerate for run_accelerate")
+    torch.set_num_threads(1)
+    project = Path(recipe.output.root) / recipe.output.name
+    accelerator = Accelerator(
+        log_with="tensorboard",
+        project_dir=str(project),
+        gradient_accumulation_steps=recipe.trainer.accumulate,
+    )
+    accelerator.init_trackers("run")
+    torch.manual_seed(recipe.seed)
+    net = _network(recipe.model)
+    optimizer = torch.optim.SGD(net.parameters(), lr=recipe.model.lr)
+    loader = DataLoader(
+        _dataset(recipe, accelerator.num_processes), batch_size=recipe.data.batch_size, shuffle=False
+    )
+    model, optimizer, loader = accelerator.prepare(net, optimizer, loader)
+    handle = attach_pacing(accelerator, model, recipe.pacing_config()) if recipe.paced else None
+    injection = recipe.straggler.injection()
+    stragglers = [injection] if injection is not None else []
+    compute_s = recipe.model.compute_ms / 1e3
+    rank, step, started = accelerator.process_index, 0, time.monotonic()
+    every = max(1, recipe.trainer.max_steps // 10)
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            sleep_injected(stragglers, rank, step)
+            if compute_s > 0:
+                time.sleep(compute_s)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            step += 1
+            if accelerator.is_main_process and (step % every == 0 or step == recipe.trainer.max_steps):
+                print(f"  step {step:>5}/{recipe.trainer.max_steps}  {time.monotonic() - started:6.1f} s")
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        record = handle.record_path if handle is not None else None
+        print(f"trained {step} steps; logs in {project}; run record {record}", flush=True)
+    return 0
+
+
+def main_for(framework: str, argv: Sequence[str]) -> int:
+    """Entry point of the recipe scripts: ``SCRIPT RECIPE.yaml [key=value ...]``."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage: {framework}_train.py RECIPE.yaml [key.sub=value ...]")
+        return 0 if argv else 2
+    recipe = load_recipe(argv[0], argv[1:])
+    return run_lightning(recipe) if framework == "lightning" else run_accelerate(recipe)

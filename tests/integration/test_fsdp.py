@@ -1,0 +1,76 @@
+"""paced_fsdp: real Lightning Trainers, FSDP2 over 2 CPU processes with gloo, through the recipe."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from pace_strategy.telemetry import TAGS, lead_tag, read_run_record
+from tests.integration.helpers import only_version_dir, read_scalars, run_recipe
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+WARMUP = 5  # PacingConfig().warmup_steps
+# 3 hidden blocks of >= 16k parameters each become their own group; the output layer stays with
+# the root of the network: 4 groups.
+GROUPS = 4
+
+
+def test_paced_fsdp_times_every_collective_and_names_the_straggler(tmp_path):
+    out = run_recipe(
+        tmp_path,
+        "lightning_fsdp.yaml",
+        "trainer.max_steps=40",
+        "straggler.delay_ms=40",
+        "model.compute_ms=10",
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    log_dir = only_version_dir(tmp_path, "lightning_fsdp")
+    scalars = read_scalars(log_dir)
+    for tag in (*TAGS, lead_tag(0), lead_tag(1)):
+        assert sorted(scalars.get(tag, {})) == list(range(40)), f"{tag} not logged at every global step"
+    post = range(WARMUP, 40)
+    assert sum(scalars["pace/straggler_rank"][s] == 1.0 for s in post) / len(post) >= 0.9
+    assert abs(statistics.median(scalars["pace/skew_ms"][s] for s in post) - 40.0) <= 12.0
+    record = read_run_record(log_dir)
+    assert record.end["status"] == "completed" and record.header["world_size"] == 2
+    # forward all-gathers (one per group), backward re-gathers (all but the root, which FSDP keeps
+    # unsharded after forward) and one reduce-scatter per group: all timed, every step
+    assert {s["buckets"] for s in record.steps} == {GROUPS + (GROUPS - 1) + GROUPS}
+    # the straggler's lateness is its own compute, not the collectives
+    compute = record.steps[-1]["ranks"]["compute_ms"]
+    assert compute[1] - compute[0] > 25.0, compute
+
+
+def test_forced_pacing_gives_weights_identical_to_unpaced_fsdp(tmp_path):
+    args = ("trainer.max_steps=24", "straggler.delay_ms=30")
+    plain = run_recipe(
+        tmp_path,
+        "lightning_fsdp.yaml",
+        *args,
+        "trainer.strategy=fsdp",
+        "pacing=null",
+        "output.name=plain",
+        f"output.save_weights={tmp_path / 'plain.pt'}",
+    )
+    assert plain.returncode == 0, plain.stderr[-4000:]
+    paced = run_recipe(
+        tmp_path,
+        "lightning_fsdp.yaml",
+        *args,
+        "output.name=paced",
+        f"output.save_weights={tmp_path / 'paced.pt'}",
+        "pacing.mode=forced",
+        "pacing.exchange_every_steps=4",
+        "pacing.max_delay_step_fraction=0.5",
+    )
+    assert paced.returncode == 0, paced.stderr[-4000:]
+    record = read_run_record(only_version_dir(tmp_path, "paced"))
+    delays = [s["ranks"]["delay_ms"][0] for s in record.steps]
+    assert max(delays) > 1.0, f"pacing was never applied: {delays}"
+    wa, wb = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "paced.pt")
+    assert wa.keys() == wb.keys() and len(wa) == 8
+    for key in wa:
+        assert torch.equal(wa[key], wb[key]), f"{key} differs between unpaced and paced FSDP"
