@@ -17,7 +17,9 @@ from tests.integration.helpers import read_scalars
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
-SCRIPT = Path(__file__).parent / "scripts" / "accel_train.py"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "train"
+SCRIPT = RECIPES / "accelerate_train.py"
+RECIPE = RECIPES / "accelerate_ddp.yaml"
 BASE_CONFIG = """compute_environment: LOCAL_MACHINE
 distributed_type: {kind}
 num_processes: 2
@@ -28,7 +30,8 @@ use_cpu: true
 """
 
 
-def launch(tmp_path: Path, command: list[str], config: str, *script_args: str, env: dict | None = None):
+def launch(tmp_path: Path, command: list[str], config: str, *overrides: str, env: dict | None = None):
+    """The Accelerate recipe, 40 optimizer steps, rank 1 40 ms late; run record in tmp_path/proj."""
     cfg = tmp_path / "accel.yaml"
     cfg.write_text(config)
     return subprocess.run(
@@ -37,9 +40,13 @@ def launch(tmp_path: Path, command: list[str], config: str, *script_args: str, e
             "--config_file",
             str(cfg),
             str(SCRIPT),
-            "--project-dir",
-            str(tmp_path / "proj"),
-            *script_args,
+            str(RECIPE),
+            f"output.root={tmp_path}",
+            "output.name=proj",
+            "trainer.max_steps=40",
+            "straggler.delay_ms=40",
+            "data.batch_size=8",
+            *overrides,
         ],
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         cwd=tmp_path,
@@ -74,9 +81,10 @@ def test_pace_launch_reads_the_pacing_config_section(tmp_path):
 
 def test_plain_accelerate_launch_with_pace_variables_and_accumulation(tmp_path):
     env = {"ACCELERATE_USE_CPU": "1", "PACE_MODE": "monitor", "PACE_EXCHANGE_EVERY_STEPS": "4"}
-    out = launch(tmp_path, ACCELERATE, BASE_CONFIG.format(kind="MULTI_GPU"), "--accumulate", "4", env=env)
+    config = BASE_CONFIG.format(kind="MULTI_GPU")
+    out = launch(tmp_path, ACCELERATE, config, "trainer.max_steps=10", "trainer.accumulate=4", env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "synchronized steps: 10" in out.stdout  # 40 micro-batches, 4 per optimizer step
+    assert "trained 10 steps" in out.stdout  # 40 micro-batches, 4 per optimizer step
     record = read_run_record(tmp_path / "proj")
     assert record.header["config"]["exchange_every_steps"] == 4
     assert [s["step"] for s in record.steps] == list(range(10))  # only synchronizing steps
