@@ -74,3 +74,29 @@ def test_a_step_without_the_sync_point_is_marked_invalid():
     (result,) = pacer.flush()
     assert not result.summaries[0].valid
     assert result.stats.steps == 0
+
+
+def test_fsdp_collectives_sum_their_blocked_time_and_the_first_one_is_paced():
+    clock = ManualClock()
+    pacer = Pacer(PacingConfig(exchange_every_steps=1, warmup_steps=0), None, 0, 1, clock)
+    assert pacer.enter_collective() is None  # outside a step (validation): not timed, not delayed
+    pacer._delay_ms = 4.0
+    pacer.begin_step(0)
+    # forward all-gather (blocked 3 ms), 10 ms of compute, reduce-scatter (blocked 2 ms)
+    clock.advance(1.0)
+    first = pacer.enter_collective()
+    assert clock.delays_ms == [4.0]  # the delay goes before the step's first collective only
+    clock.advance(3.0)
+    pacer.exit_collective(first)
+    clock.advance(10.0)
+    second = pacer.enter_collective()
+    clock.advance(2.0)
+    pacer.exit_collective(second)
+    assert clock.delays_ms == [4.0]
+    clock.advance(1.0)
+    pacer.end_step()
+    (window,) = pacer.flush()
+    s = window.summaries[0]
+    assert s.wait_ms == (5.0,)  # 3 + 2: time blocked in collectives, not the span between them
+    assert s.compute_ms == (11.0,)  # 1 + 10: batch ready -> last collective done, less waits and delay
+    assert s.delay_ms == (4.0,) and s.buckets == 2

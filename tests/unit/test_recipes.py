@@ -68,3 +68,17 @@ def test_bad_values_fail_at_load_naming_the_field(override, message):
 def test_accelerate_recipes_reject_lightning_only_strategies():
     with pytest.raises(PacingConfigError, match="framework=accelerate"):
         load_recipe(None, ["framework=accelerate", "trainer.strategy=paced_fsdp"])
+
+
+def test_every_recipe_field_is_documented():
+    import dataclasses
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "recipes.md").read_text()
+    for top in dataclasses.fields(TrainRecipe):
+        if dataclasses.is_dataclass(top.default_factory):  # type: ignore[arg-type]
+            for sub in dataclasses.fields(top.default_factory):  # type: ignore[arg-type]
+                assert f"`{top.name}.{sub.name}`" in docs, (
+                    f"{top.name}.{sub.name} missing from docs/recipes.md"
+                )
+        else:
+            assert f"`{top.name}`" in docs, top.name
