@@ -14,16 +14,16 @@ medians, and the ratio to plain ``ddp``. A second figure times the Pacer's per-s
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _runs import provenance, run_demo
 
 from pace_strategy.telemetry.run_record import read_run_record
 
@@ -39,37 +39,12 @@ def run_arm(
 ) -> tuple[list[float], float | None]:
     """One training run; returns rank 0's step times and, for paced arms, the pacer's own window cost
     (microseconds per step, measured inside the run)."""
-    out = workdir / f"{index:02d}-{arm.replace(' ', '_')}.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pace_strategy.demo",
-        "--quiet",
-        "--devices",
-        str(args.devices),
-        "--steps",
-        str(args.steps),
-        "--straggler",
-        "",
-        "--compute-ms",
-        str(args.compute_ms),
-        "--root",
-        str(workdir / "runs"),
-        "--name",
-        f"run{index}",
-        "--step-times",
-        str(out),
-        *ARMS[arm],
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        raise SystemExit(f"{arm} run failed:\n{done.stderr[-3000:]}")
-    times = json.loads(out.read_text())["step_ms"][args.skip :]
-    records = list((workdir / "runs" / f"run{index}").glob("version_*/pace_run.jsonl"))
+    demo = ["--devices", str(args.devices), "--steps", str(args.steps), "--straggler", ""]
+    demo += ["--compute-ms", str(args.compute_ms), *ARMS[arm]]
+    times, record = run_demo(workdir, index, demo, skip=args.skip)
     cost = None
-    if records:
-        end = read_run_record(records[0]).end or {}
+    if record is not None:
+        end = read_run_record(record).end or {}
         cost = end.get("rank0_pacer_cost", {}).get("window_work_us_per_step")  # training-thread time
     return times, cost
 
@@ -166,14 +141,7 @@ def main() -> int:
             )
     result = {
         "benchmark": "overhead",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },
-        "command": "python " + " ".join(sys.argv),
-        "settings": vars(args),
+        **provenance(args),
         "arms": rows,
         "hot_path_us_per_step": hot,
     }

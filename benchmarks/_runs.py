@@ -1,0 +1,57 @@
+"""What the benchmarks share: one demo training run in a subprocess, and the machine description."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def run_demo(
+    workdir: Path, index: int, demo_args: list[str], *, skip: int
+) -> tuple[list[float], Path | None]:
+    """One ``pace demo`` run (quiet, no diagnosis); returns rank 0's step times in ms, the first
+    ``skip`` dropped (the same ruler for every strategy: one callback on rank 0), and the run record
+    of a paced run (``None`` for a plain one)."""
+    times_path = workdir / f"{index:03d}-steps.json"
+    name = f"run{index:03d}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pace_strategy.demo",
+        "--quiet",
+        "--no-diagnosis",
+        "--root",
+        str(workdir / "runs"),
+        "--name",
+        name,
+        "--step-times",
+        str(times_path),
+        *demo_args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise SystemExit(f"run failed: {' '.join(cmd)}\n{done.stderr[-3000:]}")
+    times = json.loads(times_path.read_text())["step_ms"][skip:]
+    records = list((workdir / "runs" / name).glob("version_*/pace_run.jsonl"))
+    return times, (records[0] if records else None)
+
+
+def provenance(args: Any) -> dict[str, Any]:
+    """Date, machine and command of a benchmark result."""
+    return {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "command": "python " + " ".join(sys.argv),
+        "settings": vars(args),
+    }

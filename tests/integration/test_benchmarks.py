@@ -1,0 +1,37 @@
+"""Smoke run of the A/B benchmark (one short scenario): it runs, measures both arms, writes its table.
+
+Not a check of what pacing achieves: the benchmark's numbers are not pass/fail (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pacing_ab.py"
+
+
+def test_pacing_ab_smoke_run_writes_both_arms(tmp_path):
+    out_json, out_md = tmp_path / "ab.json", tmp_path / "ab.md"
+    args = ["--repeats", "1", "--steps", "40", "--skip", "10", "--scenarios", "persistent"]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "--out", str(out_json), "--markdown", str(out_md)],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "persistent" in done.stdout and "ddp" in done.stdout and "paced_ddp" in done.stdout
+    (row,) = json.loads(out_json.read_text())["rows"]
+    assert row["scenario"] == "persistent" and row["ranks"] == 4
+    assert 0.5 < row["throughput_ratio_median"] < 2.0  # both arms ran and were timed
+    assert 20.0 < row["median_skew_ms"] < 45.0  # the injected 30 ms shows in the paced run's record
+    assert "| persistent | 4 |" in out_md.read_text()
