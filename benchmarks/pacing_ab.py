@@ -61,8 +61,8 @@ def scenarios(compute_ms: float) -> list[Scenario]:
         Scenario(
             "locality",
             4,
-            (*base, "--num-nodes", "2", "--straggler", "", "--straggler-local", "1:20"),
-            "local rank 1 of each of 2 nodes +20 ms every step",
+            (*base, "--straggler", "1:20,3:20"),
+            "local rank 1 of 2 emulated nodes of 2 ranks (ranks 1 and 3) +20 ms every step",
         ),
     ]
     for ranks in (2, 8):
@@ -81,11 +81,6 @@ NOT_RUN = {
     "uplink+transient": "needs the emulated two-rack fabric (network namespaces, rate-limited uplink), "
     "not built yet"
 }
-
-
-def _devices_args(s: Scenario) -> list[str]:
-    nodes = 2 if "--num-nodes" in s.demo_args else 1
-    return ["--devices", str(s.ranks // nodes), *s.demo_args]
 
 
 def _p99(values: list[float]) -> float:
@@ -114,7 +109,7 @@ def run_scenario(s: Scenario, args: argparse.Namespace, workdir: Path, counter: 
         order = ["ddp", "paced_ddp"] if rep % 2 == 0 else ["paced_ddp", "ddp"]
         for arm in order:
             counter[0] += 1
-            demo = [*_devices_args(s), "--steps", str(args.steps), "--strategy", arm]
+            demo = ["--devices", str(s.ranks), *s.demo_args, "--steps", str(args.steps), "--strategy", arm]
             times, record = run_demo(workdir, counter[0], demo, skip=args.skip)
             arms[arm].append(times)
             if record is not None:

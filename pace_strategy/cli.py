@@ -1,4 +1,4 @@
-"""The ``pace`` command: ``pace demo``, ``diagnose``, ``simulate`` and ``launch``."""
+"""The ``pace`` command: ``pace demo``, ``diagnose``, ``simulate``, ``launch`` and ``testbed``."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("diagnose", help="name the failure mode of a recorded run, with plots", add_help=False)
     sub.add_parser("simulate", help="what-if simulator from 4 to 1,024+ nodes", add_help=False)
     sub.add_parser("launch", help="accelerate launch with a pacing_config: section", add_help=False)
-    if not argv or argv[0] not in ("demo", "diagnose", "simulate", "launch"):
+    sub.add_parser("testbed", help="emulated two-rack cluster in network namespaces (root)", add_help=False)
+    if not argv or argv[0] not in ("demo", "diagnose", "simulate", "launch", "testbed"):
         parser.parse_args(argv or ["--help"])
         return 2
     level = os.environ.get("PACE_LOG_LEVEL", "WARNING").upper()
@@ -34,6 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pace_strategy import launch
 
         return launch.main(argv[1:])
+    if argv[0] == "testbed":
+        from pace_strategy import testbed
+
+        return testbed.main(argv[1:])
     if argv[0] == "simulate":
         from pace_strategy.sim import command as sim_command
 
