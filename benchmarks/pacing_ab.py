@@ -11,8 +11,8 @@ active and the mean delay applied. Writes JSON and the Markdown table of ``docs/
     python benchmarks/pacing_ab.py                          # ~15 minutes on 2 cores
     python benchmarks/pacing_ab.py --repeats 1 --steps 80 --scenarios clean   # smoke run
 
-The oversubscribed-uplink scenario of the paper needs the emulated fabric (network namespaces),
-which this benchmark does not build yet; it is listed as not run.
+The oversubscribed-uplink scenario of the paper needs the two-rack test bed (``pace testbed``),
+which this benchmark does not drive yet; it is listed as not run.
 """
 
 from __future__ import annotations
@@ -78,8 +78,7 @@ def scenarios(compute_ms: float) -> list[Scenario]:
 
 
 NOT_RUN = {
-    "uplink+transient": "needs the emulated two-rack fabric (network namespaces, rate-limited uplink), "
-    "not built yet"
+    "uplink+transient": "needs the two-rack test bed (pace testbed) wired into this benchmark, not done yet"
 }
 
 

@@ -1,9 +1,9 @@
 """FSDP2 (``fully_shard``): time every all-gather and reduce-scatter and pace the step's first one.
 
 With FSDP each collective is a sync point: a rank that is late to the forward all-gathers or to the
-gradient reduce-scatters makes the others wait there. torch (>= 2.8) lets a sharded module use a
-custom all-gather and reduce-scatter; the wrappers below compose over whatever the module used
-before (torch's default, or the user's own), hand every call to the real collective unchanged, and
+gradient reduce-scatters makes the others wait there. torch's FSDP2 (2.13 here) lets a sharded
+module use a custom all-gather and reduce-scatter; the wrappers below compose over whatever the
+module used before (torch's default, or the user's own), hand every call to the real collective unchanged, and
 bracket it with the pacer's ``enter_collective`` / ``exit_collective``. So pacing never changes the
 math, only when the rank issues its first collective of the step.
 

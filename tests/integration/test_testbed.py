@@ -1,10 +1,9 @@
-"""The emulated two-rack test bed: bring-up, tear-down, shaping, refusal, and the fabric attribution
-test of issue #5 (a rank behind a slow path is late because of the network, not its compute)."""
+"""The emulated two-rack test bed: bring-up, tear-down, shaping and refusal. (The slow-path
+attribution on the 2-node fabric is in test_diagnose.py; see docs/testbed.md for the 4-node bed.)"""
 
 from __future__ import annotations
 
 import os
-import statistics
 import subprocess
 import sys
 import uuid
@@ -12,8 +11,6 @@ import uuid
 import pytest
 
 from pace_strategy import testbed
-from pace_strategy.telemetry import read_run_record
-from tests.integration.helpers import only_version_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -84,62 +81,3 @@ def test_refuses_without_root_and_rejects_bad_specs():
         testbed.FabricSpec(nodes=2, racks=3)
     with pytest.raises(ValueError, match="node 7"):
         testbed.FabricSpec(nodes=4, slow_nodes=(7,))
-
-
-DEMO = (
-    "--devices",
-    "1",
-    "--steps",
-    "40",
-    "--hidden",
-    "64",
-    "--compute-ms",
-    "10",
-    "--quiet",
-    "--no-diagnosis",
-)
-
-
-def _diagnose(run_dir):
-    import json
-
-    done = subprocess.run(
-        [sys.executable, "-m", "pace_strategy.cli", "diagnose", str(run_dir), "--json"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
-
-
-def test_lateness_behind_a_slow_path_is_the_network_and_is_never_paced(tmp_path):
-    """4 nodes in 2 racks; node 3's port shaped to 20 Mbit/s. Its rank arrives late with normal
-    compute; then the same with a real compute straggler behind the slow link."""
-    _require_root()
-    spec = testbed.FabricSpec(nodes=4, racks=2, uplink_mbit=1000, slow_nodes=(3,), prefix=_prefix())
-    root = str(tmp_path / "runs")
-    with testbed.running(spec) as fabric:
-        for name, extra in (
-            (
-                "slowpath",
-                ("--straggler", "", "--pacing", "mode=forced", "--pacing", "exchange_every_steps=8"),
-            ),
-            ("straggler", ("--straggler", "3:40", "--pacing", "mode=monitor")),
-        ):
-            outs = testbed.run_on_nodes(
-                fabric, [*DEMO, "--root", root, "--name", name, *extra], timeout_s=240
-            )
-            assert all(o.returncode == 0 for o in outs), [o.stderr[-2000:] for o in outs]
-    forced = read_run_record(only_version_dir(tmp_path, "slowpath"))
-    steps = [s for s in forced.steps if not s["warmup"]]
-    late = statistics.mode(s["straggler_rank"] for s in steps)
-    assert late == 3  # node 3's rank arrives last...
-    assert statistics.median(s["ranks"]["lead_ms"][0] for s in steps) > 5.0  # ...the others wait...
-    assert all(s["delay_ms_max"] == 0.0 for s in forced.steps)  # ...and are never paced for it
-    result = _diagnose(only_version_dir(tmp_path, "slowpath"))
-    top = result["findings"][0]
-    assert top["mode"] == "fabric_contention" and 3 in top["ranks"], result["findings"]
-    assert "persistent_straggler" not in [f["mode"] for f in result["findings"]]
-    # a real straggler behind the slow link is still named as one
-    result = _diagnose(only_version_dir(tmp_path, "straggler"))
-    stragglers = [f for f in result["findings"] if f["mode"] == "persistent_straggler"]
-    assert stragglers and stragglers[0]["ranks"] == [3], result["findings"]
