@@ -15,7 +15,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["build_parser", "main"]
+__all__ = ["QUIET_TRAINER", "build_parser", "main"]
+
+#: Trainer settings of the demo and the recipes: step-bounded, no bar/summary/checkpoints, log every step.
+QUIET_TRAINER: dict[str, Any] = {
+    "max_epochs": -1,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "enable_checkpointing": False,
+    "num_sanity_val_steps": 0,
+    "log_every_n_steps": 1,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,14 +151,9 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
         num_nodes=args.num_nodes,
         strategy=strategy,
         max_steps=args.steps,
-        max_epochs=-1,
         logger=L.pytorch.loggers.TensorBoardLogger(args.root, name=args.name),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
         callbacks=callbacks,
-        log_every_n_steps=1,
+        **QUIET_TRAINER,
     )
     return trainer, DemoModel(), loader
 

@@ -251,7 +251,7 @@ def run_lightning(recipe: TrainRecipe) -> int:
     from torch.utils.data import DataLoader
 
     import pace_strategy  # noqa: F401  (registers the strategies)
-    from pace_strategy.demo import _Progress, _SaveWeights
+    from pace_strategy.demo import QUIET_TRAINER, _Progress, _SaveWeights
     from pace_strategy.hooks.fsdp import auto_shard
     from pace_strategy.integrations.lightning import InjectStraggler
 
@@ -298,15 +298,10 @@ def run_lightning(recipe: TrainRecipe) -> int:
         num_nodes=recipe.trainer.num_nodes,
         strategy=_lightning_strategy(recipe),
         max_steps=recipe.trainer.max_steps,
-        max_epochs=-1,
         accumulate_grad_batches=recipe.trainer.accumulate,
         logger=L.pytorch.loggers.TensorBoardLogger(recipe.output.root, name=recipe.output.name),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
         callbacks=callbacks,
-        log_every_n_steps=1,
+        **QUIET_TRAINER,
     )
     loader = DataLoader(_dataset(recipe, world), batch_size=recipe.data.batch_size, shuffle=False)
     model = ShardedRecipeModel() if shard_baseline else RecipeModel()

@@ -39,17 +39,31 @@ __all__ = [
 ]
 
 
-class PacedAllGather(AllGather):
-    """An FSDP2 all-gather that times the wrapped one and applies the step's pacing delay."""
+class _PacedComm:
+    """What both wrappers share: the wrapped collective, its allocator, and the timing around a call."""
 
-    def __init__(self, pacer: Pacer, inner: Any | None = None) -> None:
+    def __init__(self, pacer: Pacer, inner: Any) -> None:
         self.pacer = pacer
-        self.inner = inner if inner is not None else DefaultAllGather()
+        self.inner = inner
 
     def allocate(
         self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
     ) -> Any:
         return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def _timed(self, async_op: bool, *args: Any) -> dist.Work | None:
+        start = self.pacer.enter_collective()
+        work = self.inner(*args, async_op)
+        if not async_op:
+            self.pacer.exit_collective(start)
+        return work
+
+
+class PacedAllGather(_PacedComm, AllGather):
+    """An FSDP2 all-gather that times the wrapped one and applies the step's pacing delay."""
+
+    def __init__(self, pacer: Pacer, inner: Any | None = None) -> None:
+        super().__init__(pacer, inner if inner is not None else DefaultAllGather())
 
     def __call__(
         self,
@@ -58,24 +72,14 @@ class PacedAllGather(AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
-        start = self.pacer.enter_collective()
-        work = self.inner(output_tensor, input_tensor, group, async_op)
-        if not async_op:
-            self.pacer.exit_collective(start)
-        return work
+        return self._timed(async_op, output_tensor, input_tensor, group)
 
 
-class PacedReduceScatter(ReduceScatter):
+class PacedReduceScatter(_PacedComm, ReduceScatter):
     """An FSDP2 reduce-scatter that times the wrapped one (the gradient sync of a parameter group)."""
 
     def __init__(self, pacer: Pacer, inner: Any | None = None) -> None:
-        self.pacer = pacer
-        self.inner = inner if inner is not None else DefaultReduceScatter()
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> Any:
-        return self.inner.allocate(size, dtype=dtype, device=device)
+        super().__init__(pacer, inner if inner is not None else DefaultReduceScatter())
 
     def __call__(
         self,
@@ -85,11 +89,7 @@ class PacedReduceScatter(ReduceScatter):
         op: Any,
         async_op: bool = False,
     ) -> dist.Work | None:
-        start = self.pacer.enter_collective()
-        work = self.inner(output_tensor, input_tensor, group, op, async_op)
-        if not async_op:
-            self.pacer.exit_collective(start)
-        return work
+        return self._timed(async_op, output_tensor, input_tensor, group, op)
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:
