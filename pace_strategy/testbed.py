@@ -5,7 +5,8 @@
       rack 0 (bridge tb-r0)                     rack 1 (bridge tb-r1)
      node0   node1  ...                        node2   node3  ...
        |       |                                 |       |
-     [br tb-r0] ===== uplink veth, tbf rate ===== [br tb-r1]      (in namespace PREFIX-fabric)
+     [br tb-r0] ===== uplink, tbf rate ========== [br tb-r1]      (in namespace PREFIX-fabric)
+                     (+ delay element when delayed)
 
 Each node is a namespace ``PREFIX-nI`` with one interface ``eth0`` (10.198.0.(I+1)/24) whose peer
 sits on its rack's bridge in the fabric namespace. Traffic between racks crosses the uplink, shaped
@@ -15,8 +16,10 @@ of one CPU (cgroup v1 ``cpu.cfs_quota_us`` or v2 ``cpu.max``). Only the namespac
 cgroups created here are touched; ``down`` removes all of them and is safe to repeat. Root and
 iproute2 are needed; ``up`` refuses with a message otherwise.
 
-Not emulated (yet): per-link delay, jitter and loss. This kernel has no ``netem``; the user-space
-delay element the design calls for is not built, so only rate (tbf) shapes links here.
+Delay, jitter and loss: this kernel has no ``netem``, so an uplink with a ``rack_delay`` on either
+side is built from two TAP devices joined by the user-space delay element
+(:mod:`pace_strategy.testbed_link`, one process per such uplink, seeded) instead of a veth pair;
+``tbf`` still shapes it. ``rack_delay[R]`` applies to frames leaving rack R over its uplinks.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -34,8 +38,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from pace_strategy.core.errors import PacingConfigError
+from pace_strategy.testbed_link import Impairment
 
-__all__ = ["Fabric", "FabricSpec", "Node", "TestbedError", "down", "run_on_nodes", "running", "status", "up"]
+__all__ = [
+    "Fabric",
+    "FabricSpec",
+    "Impairment",
+    "Node",
+    "TestbedError",
+    "down",
+    "run_on_nodes",
+    "running",
+    "status",
+    "up",
+]
 
 SUBNET = "10.198.0"
 STATE_DIR = Path("/run/pace-testbed")
@@ -48,7 +64,9 @@ class TestbedError(RuntimeError):
 
 @dataclass(frozen=True)
 class FabricSpec:
-    """What to build. Rates are Mbit/s; ``cpu_quota`` maps a node index to a share of one CPU."""
+    """What to build. Rates are Mbit/s; ``cpu_quota`` maps a node index to a share of one CPU;
+    ``rack_delay`` maps a rack index to the delay, jitter and loss of frames leaving that rack over
+    the uplink (seeded with ``seed``)."""
 
     nodes: int = 4
     racks: int = 2
@@ -56,6 +74,8 @@ class FabricSpec:
     slow_nodes: tuple[int, ...] = ()  #: nodes whose own port is shaped to ``slow_path_mbit``
     slow_path_mbit: float = 20.0
     cpu_quota: Mapping[int, float] = field(default_factory=dict)
+    rack_delay: Mapping[int, Impairment] = field(default_factory=dict)
+    seed: int = 0
     prefix: str = "pace-tb"
 
     def __post_init__(self) -> None:
@@ -71,8 +91,18 @@ class FabricSpec:
         for n, share in self.cpu_quota.items():
             if not 0.01 <= share <= 1.0:
                 raise PacingConfigError(f"testbed cpu_quota[{n}]={share!r}: expected a share in 0.01..1.")
+        for r, imp in self.rack_delay.items():
+            if not 0 <= r < self.racks:
+                raise PacingConfigError(f"testbed rack_delay rack {r!r} is out of range 0..{self.racks - 1}.")
+            if not isinstance(imp, Impairment):
+                raise PacingConfigError(f"testbed rack_delay[{r}] must be an Impairment, got {imp!r}.")
+        if self.rack_delay and self.racks < 2:
+            raise PacingConfigError("testbed rack_delay needs racks >= 2: it impairs the cross-rack uplink.")
         if not self.prefix.replace("-", "").isalnum() or len(self.prefix) > 10:
             raise PacingConfigError(f"testbed prefix={self.prefix!r}: letters, digits and '-', <= 10 chars.")
+
+    def impairment(self, rack: int) -> Impairment:
+        return self.rack_delay.get(rack, Impairment())
 
     def rack_of(self, node: int) -> int:
         """Nodes fill racks in order: with 4 nodes and 2 racks, nodes 0-1 in rack 0, 2-3 in rack 1."""
@@ -154,11 +184,18 @@ def up(spec: FabricSpec) -> Fabric:
             _run("ip", "-n", fabric_ns, "link", "set", f"tb-r{r}", "up")
         for r in range(1, spec.racks):  # a chain of uplinks: rack r-1 <-> rack r, shaped both ways
             a, b = f"tb-u{r}a", f"tb-u{r}b"
-            _run("ip", "-n", fabric_ns, "link", "add", a, "type", "veth", "peer", "name", b)
+            delayed = not (spec.impairment(r - 1).is_identity and spec.impairment(r).is_identity)
+            if delayed:  # two TAP devices; the delay element carries frames between them
+                for dev in (a, b):
+                    _run("ip", "-n", fabric_ns, "tuntap", "add", "dev", dev, "mode", "tap")
+            else:
+                _run("ip", "-n", fabric_ns, "link", "add", a, "type", "veth", "peer", "name", b)
             for dev, bridge in ((a, f"tb-r{r - 1}"), (b, f"tb-r{r}")):
                 _run("ip", "-n", fabric_ns, "link", "set", dev, "master", bridge)
                 _run("ip", "-n", fabric_ns, "link", "set", dev, "up")
                 _tbf(fabric_ns, dev, spec.uplink_mbit)
+            if delayed:
+                _start_link(spec, r, fabric_ns, a, b)
         for i in range(spec.nodes):
             ns, rack, port = f"{spec.prefix}-n{i}", spec.rack_of(i), f"tb-p{i}"
             _run("ip", "netns", "add", ns)
@@ -192,15 +229,67 @@ def up(spec: FabricSpec) -> Fabric:
         raise
     fabric = Fabric(spec, tuple(nodes))
     STATE_DIR.mkdir(parents=True, exist_ok=True)
-    state = {"spec": {**asdict(spec), "cpu_quota": dict(spec.cpu_quota)}, "nodes": [asdict(n) for n in nodes]}
+    described = {
+        **asdict(spec),
+        "cpu_quota": dict(spec.cpu_quota),
+        "rack_delay": {r: str(imp) for r, imp in spec.rack_delay.items()},
+    }
+    state = {"spec": described, "nodes": [asdict(n) for n in nodes]}
     (STATE_DIR / f"{spec.prefix}.json").write_text(json.dumps(state, indent=2) + "\n")
     return fabric
 
 
+def _start_link(spec: FabricSpec, r: int, fabric_ns: str, a: str, b: str) -> None:
+    """Start uplink ``r``'s delay element in the fabric namespace; its pid file is written before
+    anything can fail, so ``down`` stops it whatever happens next."""
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    log = STATE_DIR / f"{spec.prefix}-link{r}.log"
+    cmd = ["ip", "netns", "exec", fabric_ns, sys.executable, "-m", "pace_strategy.testbed_link", a, b]
+    cmd += [f"--a-to-b={spec.impairment(r - 1)}", f"--b-to-a={spec.impairment(r)}", f"--seed={spec.seed + r}"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    (STATE_DIR / f"{spec.prefix}-link{r}.pid").write_text(str(proc.pid))
+    deadline = time.monotonic() + 20.0
+    while "ready" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise TestbedError(f"the delay element of uplink {r} did not start: {log.read_text().strip()}")
+        time.sleep(0.05)
+
+
+def _stop_links(prefix: str) -> list[str]:
+    """Stop the delay elements ``up`` started (only processes that still are one: pids get reused)."""
+    stopped: list[str] = []
+    for pidfile in sorted(STATE_DIR.glob(f"{prefix}-link*.pid")) if STATE_DIR.exists() else ():
+        pid = int(pidfile.read_text())
+        try:
+            is_ours = b"pace_strategy.testbed_link" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            is_ours = False
+        if is_ours:
+            os.kill(pid, signal.SIGTERM)
+            for _ in range(40):
+                if not Path(f"/proc/{pid}").exists() or "State:\tZ" in _proc_status(pid):
+                    break
+                time.sleep(0.05)
+            else:
+                os.kill(pid, signal.SIGKILL)
+            stopped.append(f"delay element pid {pid}")
+        pidfile.unlink(missing_ok=True)
+        pidfile.with_suffix(".log").unlink(missing_ok=True)
+    return stopped
+
+
+def _proc_status(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return ""
+
+
 def down(prefix: str = "pace-tb") -> list[str]:
-    """Remove every namespace and cgroup named ``PREFIX-*`` and the state file; returns what was
-    removed. Safe to call when nothing is there."""
-    removed: list[str] = []
+    """Stop the delay elements and remove every namespace and cgroup named ``PREFIX-*`` and the
+    state file; returns what was removed. Safe to call when nothing is there."""
+    removed: list[str] = _stop_links(prefix)
     if shutil.which("ip") is None:
         return removed
     listing = _run("ip", "netns", "list", check=False).stdout.split()
@@ -279,6 +368,16 @@ def _quota(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected NODE=SHARE (e.g. 2=0.5), got {text!r}") from None
 
 
+def _rack_delay(text: str) -> tuple[int, Impairment]:
+    rack, _, impairment = text.partition("=")
+    try:
+        return int(rack), Impairment.parse(impairment)
+    except (ValueError, PacingConfigError) as error:
+        raise argparse.ArgumentTypeError(
+            f"expected RACK=MS[:JITTER[:LOSS]] (e.g. 1=5:1:0.001), got {text!r}: {error}"
+        ) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``pace testbed up|down|status``."""
     p = argparse.ArgumentParser(prog="pace testbed", description="The emulated two-rack cluster (root).")
@@ -290,6 +389,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     u.add_argument("--slow-node", type=int, action="append", default=[], help="shape this node's port")
     u.add_argument("--slow-path-mbit", type=float, default=20.0)
     u.add_argument("--cpu-quota", type=_quota, action="append", default=[], metavar="NODE=SHARE")
+    u.add_argument(
+        "--rack-delay",
+        type=_rack_delay,
+        action="append",
+        default=[],
+        metavar="RACK=MS[:JITTER[:LOSS]]",
+        help="delay (ms), jitter (ms, normal sd) and loss share of frames leaving RACK over the uplink",
+    )
+    u.add_argument("--seed", type=int, default=0, help="seed of the delay elements' schedules")
     for q in (u, sub.add_parser("down", help="remove it (safe to repeat)"), sub.add_parser("status")):
         q.add_argument("--prefix", default="pace-tb", help="name prefix of its namespaces and cgroups")
     args = p.parse_args(argv)
@@ -302,18 +410,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 slow_nodes=tuple(args.slow_node),
                 slow_path_mbit=args.slow_path_mbit,
                 cpu_quota=dict(args.cpu_quota),
+                rack_delay=dict(args.rack_delay),
+                seed=args.seed,
                 prefix=args.prefix,
             )
             fabric = up(spec)
             for node in fabric.nodes:
                 extra = f", cgroup {node.cgroup}" if node.cgroup else ""
                 print(f"{node.netns:<14} {node.address:<12} rack {node.rack}{extra}")
+            delays = "".join(f"; rack {r} egress {imp} (ms:ms:loss)" for r, imp in spec.rack_delay.items())
             print(
-                f"uplink {spec.uplink_mbit:g} Mbit/s; remove with: pace testbed down --prefix {spec.prefix}"
+                f"uplink {spec.uplink_mbit:g} Mbit/s{delays}; "
+                f"remove with: pace testbed down --prefix {spec.prefix}"
             )
         elif args.action == "down":
             removed = down(args.prefix)
-            print(f"removed {len(removed)} namespaces and cgroups" if removed else "nothing to remove")
+            print(f"removed {len(removed)}: {', '.join(removed)}" if removed else "nothing to remove")
         else:
             state = status(args.prefix)
             print(json.dumps(state, indent=2) if state else f"no test bed with prefix {args.prefix!r} is up")

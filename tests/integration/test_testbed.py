@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -38,6 +39,69 @@ def _tcp_ok(src: str, address: str) -> bool:
         ["ip", "netns", "exec", src, sys.executable, "-c", code], capture_output=True, text=True, timeout=30
     )
     return "ConnectionRefused" in done.stderr  # the host answered (RST): it is reachable
+
+
+_ECHO = """
+import socket, sys
+srv = socket.create_server((sys.argv[1], 29600))
+print("listening", flush=True)
+conn, _ = srv.accept()
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while (data := conn.recv(64)):
+    conn.sendall(data)
+"""
+
+_PING = """
+import socket, sys, time, statistics
+for attempt in range(100):
+    try:
+        c = socket.create_connection((sys.argv[1], 29600), timeout=5)
+        break
+    except OSError:
+        time.sleep(0.05)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(int(sys.argv[2])):
+    t = time.perf_counter()
+    c.sendall(b"x")
+    assert c.recv(64) == b"x"
+    rtts.append((time.perf_counter() - t) * 1e3)
+print(statistics.median(rtts), statistics.pstdev(rtts))
+"""
+
+
+def _rtt_ms(src: testbed.Node, dst: testbed.Node, pings: int = 20) -> tuple[float, float]:
+    """Median and spread of TCP round trips (1-byte echo) from node ``src`` to node ``dst``, in ms."""
+    exec_in = ["ip", "netns", "exec"]
+    server = subprocess.Popen(
+        [*exec_in, dst.netns, sys.executable, "-c", _ECHO, dst.address], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "listening"
+        done = subprocess.run(
+            [*exec_in, src.netns, sys.executable, "-c", _PING, dst.address, str(pings)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        median, spread = (float(v) for v in done.stdout.split())
+        return median, spread
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _delay_element_pids(prefix: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "pace_strategy.testbed_link"], capture_output=True, text=True)
+    in_fabric = subprocess.run(["ip", "netns", "pids", f"{prefix}-fabric"], capture_output=True, text=True)
+    return sorted({int(p) for p in out.stdout.split()} & {int(p) for p in in_fabric.stdout.split()})
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def test_up_down_are_idempotent_and_shape_the_uplink():
@@ -81,3 +145,45 @@ def test_refuses_without_root_and_rejects_bad_specs():
         testbed.FabricSpec(nodes=2, racks=3)
     with pytest.raises(ValueError, match="node 7"):
         testbed.FabricSpec(nodes=4, slow_nodes=(7,))
+    with pytest.raises(ValueError, match="rack_delay rack 2"):
+        testbed.FabricSpec(nodes=4, racks=2, rack_delay={2: testbed.Impairment(5.0)})
+    with pytest.raises(ValueError, match=r"loss=0\.9"):
+        testbed.Impairment(loss=0.9)
+    bad = subprocess.run(
+        [sys.executable, "-m", "pace_strategy.cli", "testbed", "up", "--rack-delay", "1=5:x"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "RACK=MS[:JITTER[:LOSS]]" in bad.stderr, bad.stderr
+
+
+def test_rack_delay_holds_frames_leaving_that_rack_and_down_stops_the_element():
+    """Rack 1's egress delayed 15 ms by the user-space element: a round trip across the uplink takes
+    ~15 ms more than one inside a rack, jitter widens its spread, and ``down`` stops the process."""
+    _require_root()
+    prefix = _prefix()
+    delayed = testbed.Impairment(delay_ms=15.0, jitter_ms=2.0)
+    spec = testbed.FabricSpec(nodes=4, racks=2, uplink_mbit=1000, rack_delay={1: delayed}, prefix=prefix)
+    element: list[int] = []
+    try:
+        fabric = testbed.up(spec)
+        element = _delay_element_pids(prefix)
+        assert len(element) == 1
+        inside, _ = _rtt_ms(fabric.nodes[0], fabric.nodes[1])
+        across, spread = _rtt_ms(fabric.nodes[0], fabric.nodes[2])
+        assert inside < 5.0, inside
+        # One way is held (rack 1 -> rack 0), the other is not: the round trip gains one delay.
+        assert 13.0 < across - inside < 25.0, (inside, across)
+        assert 0.5 < spread < 6.0, spread  # normal jitter of sd 2 ms, FIFO-clipped
+        assert testbed.status(prefix)["spec"]["rack_delay"] == {"1": "15:2:0"}
+    finally:
+        removed = testbed.down(prefix)
+    assert any("delay element" in r for r in removed), removed
+    for _ in range(40):
+        if not any(b"testbed_link" in _cmdline(p) for p in element):
+            break
+        time.sleep(0.05)
+    assert element and not any(b"testbed_link" in _cmdline(p) for p in element)
+    assert _namespaces(prefix) == []
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert "tb-u1" not in links  # the TAP devices went with the namespace, not back to the host
+    assert testbed.down(prefix) == []
