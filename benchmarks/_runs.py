@@ -11,33 +11,29 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pace_strategy import testbed
+
 
 def run_demo(
-    workdir: Path, index: int, demo_args: list[str], *, skip: int
+    workdir: Path, index: int, demo_args: list[str], *, skip: int, fabric: testbed.Fabric | None = None
 ) -> tuple[list[float], Path | None]:
     """One ``pace demo`` run (quiet, no diagnosis); returns rank 0's step times in ms, the first
     ``skip`` dropped (the same ruler for every strategy: one callback on rank 0), and the run record
-    of a paced run (``None`` for a plain one)."""
+    of a paced run (``None`` for a plain one). With ``fabric``, the run spans its nodes (one demo
+    per node namespace, gloo over the emulated links); without, all ranks share loopback."""
     times_path = workdir / f"{index:03d}-steps.json"
     name = f"run{index:03d}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pace_strategy.demo",
-        "--quiet",
-        "--no-diagnosis",
-        "--root",
-        str(workdir / "runs"),
-        "--name",
-        name,
-        "--step-times",
-        str(times_path),
-        *demo_args,
-    ]
+    args = ["--quiet", "--no-diagnosis", "--root", str(workdir / "runs"), "--name", name]
+    args += ["--step-times", str(times_path), *demo_args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        raise SystemExit(f"run failed: {' '.join(cmd)}\n{done.stderr[-3000:]}")
+    if fabric is None:
+        cmd = [sys.executable, "-m", "pace_strategy.demo", *args]
+        done = [subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)]
+    else:  # a fresh port per run: the last run's store socket may still be in TIME_WAIT
+        done = testbed.run_on_nodes(fabric, args, env=env, port=29520 + index % 400, timeout_s=900)
+    for d in done:
+        if d.returncode != 0:
+            raise SystemExit(f"run failed: {' '.join(map(str, d.args))}\n{d.stderr[-3000:]}")
     times = json.loads(times_path.read_text())["step_ms"][skip:]
     records = list((workdir / "runs" / name).glob("version_*/pace_run.jsonl"))
     return times, (records[0] if records else None)

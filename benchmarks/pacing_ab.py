@@ -11,15 +11,19 @@ active and the mean delay applied. Writes JSON and the Markdown table of ``docs/
     python benchmarks/pacing_ab.py                          # ~15 minutes on 2 cores
     python benchmarks/pacing_ab.py --repeats 1 --steps 80 --scenarios clean   # smoke run
 
-The oversubscribed-uplink scenario of the paper needs the two-rack test bed (``pace testbed``),
-which this benchmark does not drive yet; it is listed as not run.
+The oversubscribed-uplink scenarios (the paper's case) run on the two-rack test bed
+(``pace testbed``, root needed): two node namespaces, one per rack, joined by a ``tbf``-shaped
+uplink (``--uplink-mbit``), with the ranks split evenly over the two nodes; the fabric is brought
+up once per scenario and always torn down. Without root they are listed as not run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -32,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _runs import provenance, run_demo
 
+from pace_strategy import testbed
 from pace_strategy.telemetry.run_record import read_run_record
 
 
@@ -41,13 +46,14 @@ class Scenario:
     ranks: int
     demo_args: tuple[str, ...]
     what: str
+    fabric: testbed.FabricSpec | None = None  # None: every rank on loopback in one namespace
 
 
 def _transient(ranks: int, ms: int = 30, probability: float = 0.1) -> str:
     return ",".join(f"{r}:{ms}:{probability}" for r in range(ranks))
 
 
-def scenarios(compute_ms: float) -> list[Scenario]:
+def scenarios(compute_ms: float, uplink_mbit: float) -> list[Scenario]:
     base = ("--compute-ms", f"{compute_ms:g}")
     out = [
         Scenario("clean", 4, (*base, "--straggler", ""), "no injection"),
@@ -74,12 +80,27 @@ def scenarios(compute_ms: float) -> list[Scenario]:
                 f"as transient, {ranks} ranks",
             )
         )
+    for ranks in (2, 4, 8):
+        # Two nodes, one per rack: every ring all-reduce crosses the shaped uplink both ways.
+        spec = testbed.FabricSpec(nodes=2, racks=2, uplink_mbit=uplink_mbit, prefix="pace-ab")
+        out.append(
+            Scenario(
+                f"uplink+transient@{ranks}",
+                ranks,
+                (*base, "--straggler", _transient(ranks)),
+                f"2 nodes in 2 racks ({ranks // 2} ranks each), uplink {uplink_mbit:g} Mbit/s, "
+                "transient as above",
+                fabric=spec,
+            )
+        )
     return out
 
 
-NOT_RUN = {
-    "uplink+transient": "needs the two-rack test bed (pace testbed) wired into this benchmark, not done yet"
-}
+def not_runnable(s: Scenario) -> str | None:
+    """Why scenario ``s`` cannot run on this machine, or ``None``."""
+    if s.fabric is not None and os.geteuid() != 0:
+        return "needs root for the test bed (network namespaces); run the benchmark as root"
+    return None
 
 
 def _p99(values: list[float]) -> float:
@@ -104,20 +125,9 @@ def _paced_stats(record_path: Path, skip: int) -> dict[str, float]:
 def run_scenario(s: Scenario, args: argparse.Namespace, workdir: Path, counter: list[int]) -> dict[str, Any]:
     arms: dict[str, list[list[float]]] = {"ddp": [], "paced_ddp": []}
     paced: list[dict[str, float]] = []
-    for rep in range(args.repeats):
-        order = ["ddp", "paced_ddp"] if rep % 2 == 0 else ["paced_ddp", "ddp"]
-        for arm in order:
-            counter[0] += 1
-            demo = ["--devices", str(s.ranks), *s.demo_args, "--steps", str(args.steps), "--strategy", arm]
-            times, record = run_demo(workdir, counter[0], demo, skip=args.skip)
-            arms[arm].append(times)
-            if record is not None:
-                paced.append(_paced_stats(record, args.skip))
-            print(
-                f"[{counter[0]:>3}/{counter[1]}] {s.name:<14} {arm:<10} mean step "
-                f"{statistics.fmean(times):7.2f} ms  elapsed {time.monotonic() - args.t0:5.0f} s",
-                flush=True,
-            )
+    fabric_cm = testbed.running(s.fabric) if s.fabric is not None else contextlib.nullcontext(None)
+    with fabric_cm as fabric:
+        _interleave(s, args, workdir, counter, arms, paced, fabric)
     ratios = [sum(a) / sum(b) for a, b in zip(arms["ddp"], arms["paced_ddp"], strict=True)]
     return {
         "scenario": s.name,
@@ -133,7 +143,34 @@ def run_scenario(s: Scenario, args: argparse.Namespace, workdir: Path, counter: 
     }
 
 
-def markdown(rows: list[dict[str, Any]], header: str) -> str:
+def _interleave(
+    s: Scenario,
+    args: argparse.Namespace,
+    workdir: Path,
+    counter: list[int],
+    arms: dict[str, list[list[float]]],
+    paced: list[dict[str, float]],
+    fabric: testbed.Fabric | None,
+) -> None:
+    """The scenario's A/B pairs, in alternating order, appended to ``arms`` and ``paced``."""
+    per_node = s.ranks // len(fabric.nodes) if fabric is not None else s.ranks
+    for rep in range(args.repeats):
+        order = ["ddp", "paced_ddp"] if rep % 2 == 0 else ["paced_ddp", "ddp"]
+        for arm in order:
+            counter[0] += 1
+            demo = ["--devices", str(per_node), *s.demo_args, "--steps", str(args.steps), "--strategy", arm]
+            times, record = run_demo(workdir, counter[0], demo, skip=args.skip, fabric=fabric)
+            arms[arm].append(times)
+            if record is not None:
+                paced.append(_paced_stats(record, args.skip))
+            print(
+                f"[{counter[0]:>3}/{counter[1]}] {s.name:<22} {arm:<10} mean step "
+                f"{statistics.fmean(times):7.2f} ms  elapsed {time.monotonic() - args.t0:5.0f} s",
+                flush=True,
+            )
+
+
+def markdown(rows: list[dict[str, Any]], header: str, skipped: dict[str, str]) -> str:
     lines = [
         header,
         "",
@@ -149,7 +186,7 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
             f"| {r['p99_plain_ms']:.1f} / {r['p99_paced_ms']:.1f} ms | {r['median_skew_ms']:.1f} ms "
             f"| {r['pacing_active_share']:.0%} | {r['mean_delay_ms']:.2f} ms |"
         )
-    for name, why in NOT_RUN.items():
+    for name, why in skipped.items():
         lines.append(f"| {name} | - | not run: {why} | | | | | |")
     return "\n".join(lines) + "\n"
 
@@ -160,17 +197,22 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--skip", type=int, default=20, help="warm-up steps dropped from each run")
     p.add_argument("--compute-ms", type=float, default=20.0, help="emulated accelerator time per step")
+    p.add_argument("--uplink-mbit", type=float, default=150.0, help="test-bed uplink rate, Mbit/s")
     p.add_argument("--scenarios", default="", help="comma-separated names (default: all)")
     p.add_argument("--out", default="benchmarks/results/pacing_ab.json")
     p.add_argument("--markdown", default="benchmarks/results/pacing_ab.md", help="the table, for the docs")
     args = p.parse_args()
-    chosen = scenarios(args.compute_ms)
+    chosen = scenarios(args.compute_ms, args.uplink_mbit)
     if args.scenarios:
         wanted = args.scenarios.split(",")
         unknown = sorted(set(wanted) - {s.name for s in chosen})
         if unknown:
             p.error(f"unknown scenarios {unknown}; have {[s.name for s in chosen]}")
         chosen = [s for s in chosen if s.name in wanted]
+    skipped = {s.name: why for s in chosen if (why := not_runnable(s)) is not None}
+    chosen = [s for s in chosen if s.name not in skipped]
+    for name, why in skipped.items():
+        print(f"skipping {name}: {why}", flush=True)
     args.t0 = time.monotonic()
     counter = [0, 2 * args.repeats * len(chosen)]
     with tempfile.TemporaryDirectory(prefix="pace-ab-") as tmp:
@@ -179,11 +221,12 @@ def main() -> int:
     meta = provenance(args)
     header = (
         f"{meta['date']}, {meta['machine']['cpus']} CPUs ({meta['machine']['platform']}), gloo over "
-        f"loopback, {args.steps} steps per run (first {args.skip} dropped), {args.repeats} interleaved "
+        f"loopback (test-bed scenarios: over the emulated two-rack fabric), {args.steps} steps per run "
+        f"(first {args.skip} dropped), {args.repeats} interleaved "
         f"A/B pairs per scenario, emulated compute {args.compute_ms:g} ms/step. Command: "
-        f"`{meta['command']}`"
+        f"`{meta['command']}`; test-bed uplink {args.uplink_mbit:g} Mbit/s"
     )
-    table = markdown(rows, header)
+    table = markdown(rows, header, skipped)
     print("\n" + table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"benchmark": "pacing_ab", **meta, "rows": rows}, indent=2) + "\n")
