@@ -135,6 +135,7 @@ def run_scenario(s: Scenario, args: argparse.Namespace, workdir: Path, counter: 
         "ranks": s.ranks,
         "throughput_ratio_median": statistics.median(ratios),
         "throughput_ratio_spread": [min(ratios), max(ratios)],
+        "throughput_ratios": ratios,  # per A/B pair, in run order
         "cv_plain": statistics.median(_cv(t) for t in arms["ddp"]),
         "cv_paced": statistics.median(_cv(t) for t in arms["paced_ddp"]),
         "p99_plain_ms": statistics.median(_p99(t) for t in arms["ddp"]),

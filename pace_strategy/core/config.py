@@ -149,6 +149,18 @@ class PacingConfig:
         default=16,
         metadata=doc("Windows with pacing off after a failed A/B check before pacing may turn on again."),
     )
+    cooldown_growth: float = field(
+        default=2.0,
+        metadata=doc(
+            """Each further failed A/B check in a row multiplies the cool-down by this factor (>= 1; 1 keeps
+            it fixed), up to ``max_cooldown_windows``. A check that keeps pacing resets it. Where pacing
+            cannot help, the share of steps spent in trials then shrinks instead of staying constant."""
+        ),
+    )
+    max_cooldown_windows: int = field(
+        default=256,
+        metadata=doc("Upper bound, in windows, of the growing cool-down (>= ``cooldown_windows``)."),
+    )
     cv_window_steps: int = field(
         default=50,
         metadata=doc(
@@ -194,6 +206,8 @@ class PacingConfig:
         _positive_int(self, "cv_window_steps", minimum=2)
         _positive_int(self, "warmup_steps", minimum=0)
         _positive_int(self, "cooldown_windows", minimum=0)
+        _positive_int(self, "max_cooldown_windows", minimum=0)
+        _number(self, "cooldown_growth", low=1.0)
         _positive_int(self, "per_rank_tag_limit", minimum=0)
         for name in ("activate_skew_fraction", "deactivate_skew_fraction", "max_delay_step_fraction"):
             _number(self, name, low=0.0, high=1.0, low_open=True)
@@ -214,6 +228,12 @@ class PacingConfig:
                 f"PacingConfig.deactivate_skew_fraction={self.deactivate_skew_fraction!r} is larger than "
                 f"activate_skew_fraction={self.activate_skew_fraction!r}; the off threshold must be <= the "
                 "on threshold (hysteresis). Lower deactivate_skew_fraction or raise activate_skew_fraction."
+            )
+        if self.max_cooldown_windows < self.cooldown_windows:
+            raise PacingConfigError(
+                f"PacingConfig.max_cooldown_windows={self.max_cooldown_windows!r} is smaller than "
+                f"cooldown_windows={self.cooldown_windows!r}; the bound of the growing cool-down must be "
+                ">= its start. Raise max_cooldown_windows or lower cooldown_windows."
             )
         if self.min_delay_ms > self.max_delay_ms:
             raise PacingConfigError(

@@ -7,6 +7,7 @@ ranks is not a win, so pacing is kept only while an A/B comparison shows shorter
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import torch
@@ -25,8 +26,10 @@ class PacingPolicy:
     time for ``activate_windows`` windows *and* some rank has a persistent pacable lead; then
     ``PACING`` for ``ab_windows`` windows, whose median step time is compared with the unpaced
     baseline. Pacing is kept only if it is ``min_gain_fraction`` faster; otherwise ``COOLDOWN`` for
-    ``cooldown_windows``. While kept, every ``probe_every_windows`` paced windows a ``PROBE`` of
-    ``ab_windows`` unpaced windows refreshes the baseline and the check is repeated. Calm windows
+    ``cooldown_windows``, multiplied by ``cooldown_growth`` for each further failed check in a row
+    (bounded by ``max_cooldown_windows``; a kept check resets it). While kept, every
+    ``probe_every_windows`` paced windows a ``PROBE`` of ``ab_windows`` unpaced windows refreshes
+    the baseline and the check is repeated. Calm windows
     (skew below ``deactivate_skew_fraction``) for ``deactivate_windows`` in a row end pacing.
     """
 
@@ -43,6 +46,8 @@ class PacingPolicy:
         self._paced_medians: list[float] = []  # paced window medians of the current A/B trial
         self._paced_since_probe = 0
         self._state_windows = 0  # windows spent in the current PROBE / COOLDOWN
+        self._failed_checks = 0  # failed A/B checks in a row (sets the length of the cool-down)
+        self._cooldown_len = config.cooldown_windows
         self._baseline_ms: float | None = None
         self._last = self._decision(-1, "start: monitoring", zeros=True)
 
@@ -107,14 +112,18 @@ class PacingPolicy:
                 self._paced_medians = []
                 if paced > base * (1.0 - cfg.min_gain_fraction):
                     self._state_windows = 0
+                    self._cooldown_len = self._next_cooldown()
+                    self._failed_checks += 1
                     return self._set(
                         stats.window,
                         PolicyState.COOLDOWN,
                         f"A/B: paced {paced:.2f} ms vs unpaced {base:.2f} ms ({paced / base - 1:+.2%}); "
-                        f"no gain of {cfg.min_gain_fraction:.1%}: backing off",
+                        f"no gain of {cfg.min_gain_fraction:.1%}: backing off for {self._cooldown_len} "
+                        f"windows (failed check {self._failed_checks} in a row)",
                         zeros=True,
                         paced_ms=paced,
                     )
+                self._failed_checks = 0
                 if self._paced_since_probe >= cfg.probe_every_windows:
                     self._state_windows = 0
                     return self._set(
@@ -152,15 +161,23 @@ class PacingPolicy:
         # COOLDOWN
         self._remember_unpaced(median)
         self._state_windows += 1
-        if self._state_windows >= cfg.cooldown_windows:
+        if self._state_windows >= self._cooldown_len:
             self._severe_streak = 0
             return self._set(stats.window, PolicyState.MONITOR, "cool-down over: monitoring", zeros=True)
         return self._set(
             stats.window,
             PolicyState.COOLDOWN,
-            f"cool-down {self._state_windows}/{cfg.cooldown_windows}",
+            f"cool-down {self._state_windows}/{self._cooldown_len}",
             zeros=True,
         )
+
+    def _next_cooldown(self) -> int:
+        """Length of the cool-down after one more failed check: grows geometrically, bounded."""
+        cfg = self.config
+        if self._failed_checks == 0:
+            return cfg.cooldown_windows
+        # from the previous length, not growth**n: no float overflow however long the run
+        return min(math.ceil(self._cooldown_len * cfg.cooldown_growth), cfg.max_cooldown_windows)
 
     def _remember_unpaced(self, median_ms: float) -> None:
         self._unpaced_medians.append(median_ms)

@@ -237,8 +237,9 @@ def _locality(run: _Run, explained: set[int]) -> list[Finding]:
     out = []
     cfg = run.cfg
     node_ids = sorted(set(map(str, run.nodes)))
-    # the same local rank index slow on every node
-    if len(node_ids) >= 2 and min(run.local) >= 0:
+    # the same local rank index slow on every node; with one rank per node every rank has the same
+    # index, which then says nothing about place (a moving straggler is not locality)
+    if len(node_ids) >= 2 and min(run.local) >= 0 and len(set(run.local)) >= 2:
         local_of = np.asarray(run.local)[run.straggler]
         counts = Counter(local_of.tolist())
         index, hits = counts.most_common(1)[0]

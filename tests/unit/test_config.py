@@ -23,6 +23,7 @@ def test_defaults_are_valid_and_documented():
         ({"mode": "fast"}, "mode", "'adaptive'"),
         ({"max_delay_ms": float("nan")}, "max_delay_ms", "finite"),
         ({"warmup_steps": True}, "warmup_steps", "an integer"),
+        ({"cooldown_growth": 0.5}, "cooldown_growth", ">= 1"),
     ],
 )
 def test_bad_values_name_the_field_the_value_and_what_is_allowed(changes, field, allowed):
@@ -38,6 +39,11 @@ def test_bad_values_name_the_field_the_value_and_what_is_allowed(changes, field,
 def test_hysteresis_order_is_checked():
     with pytest.raises(PacingConfigError, match="deactivate_skew_fraction"):
         PacingConfig(activate_skew_fraction=0.05, deactivate_skew_fraction=0.2)
+
+
+def test_growing_cooldown_bound_is_checked():
+    with pytest.raises(PacingConfigError, match="max_cooldown_windows"):
+        PacingConfig(cooldown_windows=16, max_cooldown_windows=8)
 
 
 def test_unknown_key_suggests_the_nearest_field():

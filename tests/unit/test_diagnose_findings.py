@@ -72,6 +72,15 @@ def test_locality_by_local_index_across_nodes():
     assert top.mode == "locality" and top.ranks == [1, 3] and top.hosts == ["a", "b"]
 
 
+def test_one_rank_per_node_is_not_locality_by_local_index():
+    # four single-rank nodes (local rank 0 everywhere), the straggler moving between them
+    c = 40.0 + rng.normal(0, 0.5, (200, 4))
+    c[np.arange(200), rng.integers(0, 4, 200)] += 12.0
+    a = arrays(c, hosts=["a", "b", "c", "d"], local=[0, 0, 0, 0], nodes=[0, 1, 2, 3])
+    modes = [f.mode for f in diagnose(a).findings]
+    assert "locality" not in modes and modes[0] == "sync_amplification"
+
+
 def test_minor_problems_become_notes_not_findings():
     c = 40.0 + rng.normal(0, 0.3, (200, 4))
     c[:, 3] += 1.5  # a straggler, but only ~3% of the step

@@ -142,3 +142,59 @@ def test_empty_window_keeps_the_previous_decision():
     d = policy.update(window(0, [30.0, 0.0]))
     empty = WindowStats(1, 2, 0, 0.0, 0.0, torch.zeros(2, 0, dtype=torch.float64), (0, 0))
     assert policy.update(empty).delays_ms == d.delays_ms
+
+
+def _fail_one_check(policy, start, cfg):
+    """Drive ``policy`` from MONITOR through one failed A/B trial; returns the next window index."""
+    i = start
+    while policy.state is not PolicyState.PACING:
+        policy.update(window(i, [30.0, 0.0], step_ms=100.0))
+        i += 1
+    while policy.state is PolicyState.PACING:
+        d = policy.update(window(i, [30.0, 0.0], step_ms=101.0))  # paced is slower: check fails
+        i += 1
+    assert d.state is PolicyState.COOLDOWN and "backing off" in d.reason
+    return i
+
+
+def _cooldown_length(policy, start):
+    i, n = start, 0
+    while policy.state is PolicyState.COOLDOWN:
+        assert not policy.update(window(i, [30.0, 0.0], step_ms=100.0)).pacing_active
+        i, n = i + 1, n + 1
+    return i, n
+
+
+def test_cooldown_grows_after_each_failed_check_in_a_row_and_is_bounded():
+    cfg = PacingConfig(activate_windows=1, ab_windows=1, cooldown_windows=2, cooldown_growth=2.0)
+    cfg = cfg.replace(max_cooldown_windows=5)
+    policy = PacingPolicy(cfg, 2)
+    lengths, i = [], 0
+    for _ in range(4):
+        i, n = _cooldown_length(policy, _fail_one_check(policy, i, cfg))
+        lengths.append(n)
+    assert lengths == [2, 4, 5, 5]
+
+
+def test_a_kept_check_resets_the_cooldown_to_its_start():
+    cfg = PacingConfig(activate_windows=1, ab_windows=1, cooldown_windows=2, probe_every_windows=1)
+    policy = PacingPolicy(cfg, 2)
+    i, _ = _cooldown_length(policy, _fail_one_check(policy, 0, cfg))  # 2 windows
+    i, _ = _cooldown_length(policy, _fail_one_check(policy, i, cfg))  # 4 windows
+    policy.update(window(i, [30.0, 0.0], step_ms=100.0))  # severe again: pacing on
+    d = policy.update(window(i + 1, [30.0, 0.0], step_ms=90.0))  # 10% faster: kept
+    assert d.state is PolicyState.PROBE and "kept" in d.reason
+    feed(policy, [window(i + 2, [30.0, 0.0], step_ms=100.0)])  # probe done: pacing again
+    assert policy.state is PolicyState.PACING
+    _, n = _cooldown_length(policy, _fail_one_check(policy, i + 3, cfg))
+    assert n == 2
+
+
+def test_fixed_cooldown_with_growth_one():
+    cfg = PacingConfig(activate_windows=1, ab_windows=1, cooldown_windows=3, cooldown_growth=1.0)
+    policy = PacingPolicy(cfg, 2)
+    i, lengths = 0, []
+    for _ in range(3):
+        i, n = _cooldown_length(policy, _fail_one_check(policy, i, cfg))
+        lengths.append(n)
+    assert lengths == [3, 3, 3]
