@@ -18,9 +18,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pacing_ab.py"
 
 
-def test_pacing_ab_smoke_run_writes_both_arms(tmp_path):
+def _smoke_run(tmp_path, scenario):
+    """One short pair of ``scenario``; returns the process, its one JSON row and the Markdown table."""
     out_json, out_md = tmp_path / "ab.json", tmp_path / "ab.md"
-    args = ["--repeats", "1", "--steps", "40", "--skip", "10", "--scenarios", "persistent"]
+    args = ["--repeats", "1", "--steps", "40", "--skip", "10", "--scenarios", scenario]
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *args, "--out", str(out_json), "--markdown", str(out_md)],
         env=dict(os.environ, OMP_NUM_THREADS="1"),
@@ -29,30 +30,25 @@ def test_pacing_ab_smoke_run_writes_both_arms(tmp_path):
         timeout=220,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "persistent" in done.stdout and "ddp" in done.stdout and "paced_ddp" in done.stdout
     (row,) = json.loads(out_json.read_text())["rows"]
+    return done, row, out_md.read_text()
+
+
+def test_pacing_ab_smoke_run_writes_both_arms(tmp_path):
+    done, row, table = _smoke_run(tmp_path, "persistent")
+    assert "persistent" in done.stdout and "ddp" in done.stdout and "paced_ddp" in done.stdout
     assert row["scenario"] == "persistent" and row["ranks"] == 4
     assert 0.5 < row["throughput_ratio_median"] < 2.0  # both arms ran and were timed
     assert 20.0 < row["median_skew_ms"] < 45.0  # the injected 30 ms shows in the paced run's record
-    assert "| persistent | 4 |" in out_md.read_text()
+    assert "| persistent | 4 |" in table
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the test bed needs root (network namespaces)")
 def test_pacing_ab_smoke_run_over_the_test_bed_uplink(tmp_path):
     """The paper's scenario: both arms run across the two-rack fabric, and the fabric is torn down."""
-    out_json, out_md = tmp_path / "ab.json", tmp_path / "ab.md"
-    args = ["--repeats", "1", "--steps", "40", "--skip", "10", "--scenarios", "uplink+transient@2"]
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "--out", str(out_json), "--markdown", str(out_md)],
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=220,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    (row,) = json.loads(out_json.read_text())["rows"]
+    _, row, table = _smoke_run(tmp_path, "uplink+transient@2")
     assert row["scenario"] == "uplink+transient@2" and row["ranks"] == 2
     assert 0.5 < row["throughput_ratio_median"] < 2.0
-    assert "| uplink+transient@2 | 2 |" in out_md.read_text()
+    assert "| uplink+transient@2 | 2 |" in table
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert "pace-ab" not in netns  # brought up for the scenario, torn down after it
