@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from pace_strategy.cli import main as cli_main
 
 
 def run_demo(tmp_path: Path, *args: str, timeout: float = 150.0) -> subprocess.CompletedProcess[str]:
@@ -57,3 +62,18 @@ def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
     acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def pace_diagnose(*args: str) -> tuple[int, str, str]:
+    """`pace diagnose ARGS` in this process (the CLI entry point itself; saves a Lightning import)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli_main(["diagnose", *args])
+    return code, out.getvalue(), err.getvalue()
+
+
+def diagnose_json(run_dir: Path) -> dict:
+    """`pace diagnose RUN_DIR --json`, parsed; fails the test when the command fails."""
+    code, out, err = pace_diagnose(str(run_dir), "--json")
+    assert code == 0, err
+    return json.loads(out)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
 import os
 import socket
 import statistics
@@ -14,27 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from pace_strategy.cli import main as cli_main
 from pace_strategy.telemetry import read_run_record
-from tests.integration.helpers import only_version_dir, run_demo
+from tests.integration.helpers import diagnose_json, only_version_dir, pace_diagnose, run_demo
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 PACING = ("--pacing", "mode=monitor", "--pacing", "exchange_every_steps=8")
-
-
-def pace_diagnose(*args: str) -> tuple[int, str, str]:
-    """`pace diagnose ARGS` in this process (the CLI entry point itself; saves a Lightning import)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli_main(["diagnose", *args])
-    return code, out.getvalue(), err.getvalue()
-
-
-def diagnose_json(run_dir: Path) -> dict:
-    code, out, err = pace_diagnose(str(run_dir), "--json")
-    assert code == 0, err
-    return json.loads(out)
 
 
 def modes(result: dict) -> list[str]:

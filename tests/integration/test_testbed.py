@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from pace_strategy import testbed
+from tests.integration.helpers import diagnose_json
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -193,8 +194,6 @@ def test_a_slow_port_in_a_four_node_ring_is_blamed_on_the_fabric_and_never_paced
     """Node 3's port at 5 Mbit/s, one rank per node, pacing forced on. In a ring the lateness the slow
     port causes spreads to its neighbours; still no rank's compute is slow, so the diagnosis must name
     the fabric (not locality, not a straggler) and the pacer must not delay anyone for it."""
-    import json
-
     from pace_strategy.telemetry import read_run_record
 
     _require_root()
@@ -230,11 +229,6 @@ def test_a_slow_port_in_a_four_node_ring_is_blamed_on_the_fabric_and_never_paced
     paced = [s["step"] for s in steps if s["delay_ms_max"] > 0.0]
     delay = sum(s["delay_ms_max"] for s in steps)
     assert len(paced) <= 8 and delay < 0.05 * lead, (paced, delay, lead)
-    done = subprocess.run(
-        [sys.executable, "-m", "pace_strategy.cli", "diagnose", str(run_dir), "--json"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    found = [f["mode"] for f in json.loads(done.stdout)["findings"]]
+    found = [f["mode"] for f in diagnose_json(run_dir)["findings"]]
     assert found[0] == "fabric_contention", found
     assert "locality" not in found and "persistent_straggler" not in found, found
