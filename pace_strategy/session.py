@@ -117,6 +117,9 @@ class PacingSession:
         ~65 us per scalar on its bounded queue, ~1 ms per step for the pace/ tags)."""
         if self.rank != 0:
             return
+        if self.metrics_sink is None and self.record is None:
+            self._log_warnings(result)  # nothing to write: no thread, no summaries
+            return
         if self._publisher is None:
             self._publisher = _Publisher(self._publish)
         self._publisher.submit(result)
@@ -128,11 +131,14 @@ class PacingSession:
         finally:
             self.publish_ns += time.perf_counter_ns() - started
 
-    def _publish_now(self, result: WindowResult) -> None:
+    def _log_warnings(self, result: WindowResult) -> None:
         for message in result.warnings:
             if self.record_path is not None:
                 message += f" For the full picture: pace diagnose {self.record_path.parent}"
             log.warning(message)
+
+    def _publish_now(self, result: WindowResult) -> None:
+        self._log_warnings(result)
         summaries = result.summaries or self._summarizer.summarize(result.gathered)
         if self.metrics_sink is not None:
             for summary in summaries:

@@ -6,6 +6,7 @@ Not a check of what pacing achieves: the benchmark's numbers are not pass/fail (
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,10 +19,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pacing_ab.py"
 
 
-def _smoke_run(tmp_path, scenario):
+def _smoke_run(tmp_path, scenario, steps=40):
     """One short pair of ``scenario``; returns the process, its one JSON row and the Markdown table."""
     out_json, out_md = tmp_path / "ab.json", tmp_path / "ab.md"
-    args = ["--repeats", "1", "--steps", "40", "--skip", "10", "--scenarios", scenario]
+    args = ["--repeats", "1", "--steps", str(steps), "--skip", "10", "--scenarios", scenario]
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *args, "--out", str(out_json), "--markdown", str(out_md)],
         env=dict(os.environ, OMP_NUM_THREADS="1"),
@@ -40,7 +41,24 @@ def test_pacing_ab_smoke_run_writes_both_arms(tmp_path):
     assert row["scenario"] == "persistent" and row["ranks"] == 4
     assert 0.5 < row["throughput_ratio_median"] < 2.0  # both arms ran and were timed
     assert 20.0 < row["median_skew_ms"] < 45.0  # the injected 30 ms shows in the paced run's record
+    # The in-run figures come from the paced run's record: the Pacer's own cost timer is a small
+    # positive share of a ~50 ms step, and the estimate combines it with the paced share.
+    cost, share = row["monitor_cost_fraction"], row["pacing_active_share"]
+    paced = row["paced_over_unpaced_step"]
+    assert 0.0 < cost < 0.05 and 0.0 <= share <= 1.0
+    assert math.isclose(row["in_run_ratio"], 1.0 / ((1.0 + cost) * (1.0 + share * (paced - 1.0))))
+    assert 0.5 < row["in_run_ratio"] < 1.5
     assert "| persistent | 4 |" in table
+
+
+def test_the_control_scenario_runs_plain_ddp_against_itself(tmp_path):
+    done, row, table = _smoke_run(tmp_path, "control", steps=30)
+    progress = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    assert len(progress) == 2 and all(" ddp " in line and "paced_ddp" not in line for line in progress)
+    assert row["candidate"] == "ddp"
+    assert 0.5 < row["throughput_ratio_median"] < 2.0
+    assert "in_run_ratio" not in row  # no paced run, no record: nothing measured from the inside
+    assert "| control (ddp vs ddp) | 4 |" in table
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the test bed needs root (network namespaces)")
@@ -52,3 +70,23 @@ def test_pacing_ab_smoke_run_over_the_test_bed_uplink(tmp_path):
     assert "| uplink+transient@2 | 2 |" in table
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert "pace-ab" not in netns  # brought up for the scenario, torn down after it
+
+
+def test_interleaved_benchmark_trains_both_arms_to_the_same_weights(tmp_path):
+    """Plain and paced DDP alternate in the same processes; pacing must not change a bit of the model."""
+    out_json, out_md = tmp_path / "il.json", tmp_path / "il.md"
+    args = ["--ranks", "2", "--steps", "40", "--skip", "5", "--blocks", "2", "--scenarios", "persistent"]
+    args += ["--out", str(out_json), "--markdown", str(out_md)]
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT.parent / "pacing_interleaved.py"), *args],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(out_json.read_text())["rows"]
+    assert row["steps_measured"] == 35 and 0.5 < row["throughput_ratio"] < 2.0
+    assert row["median_step_plain_ms"] > 50.0  # 20 ms emulated compute + rank 1's injected 30 ms
+    assert row["max_weight_difference"] == 0.0
+    assert "| persistent |" in out_md.read_text()

@@ -1,0 +1,52 @@
+"""PacingSession on one process: telemetry goes to the sinks it has, and costs nothing without any."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from pace_strategy.core.config import PacingConfig
+from pace_strategy.session import PacingSession
+
+
+def _session(tmp_path, **kwargs) -> PacingSession:
+    config = PacingConfig(exchange_every_steps=4, warmup_steps=0, **kwargs.pop("config", {}))
+    return PacingSession(
+        config, rank=0, world_size=1, device=torch.device("cpu"), group=None, framework="test", **kwargs
+    )
+
+
+def _train(session: PacingSession, steps: int) -> list:
+    results = []
+    done = torch.futures.Future()
+    done.set_result(torch.zeros(1))
+    for step in range(steps):
+        session.pacer.begin_step(step)
+        session.pacer.enter_sync()
+        session.pacer.sync_done_callback()(done)
+        if (result := session.end_step()) is not None:
+            results.append(result)
+    return results
+
+
+def test_every_step_reaches_the_metrics_sink_and_the_run_record(tmp_path):
+    logged: dict[int, dict] = {}
+    session = _session(tmp_path, log_dir=tmp_path, metrics_sink=lambda m, step: logged.update({step: m}))
+    _train(session, 12)
+    session.finish()
+    assert sorted(logged) == list(range(12)) and "pace/skew_ms" in logged[0]
+    assert session.record_path is not None and session.record_path.exists()
+    assert session.publish_ns > 0  # the telemetry thread ran
+
+
+def test_without_sinks_no_telemetry_thread_runs_but_warnings_are_still_logged(tmp_path, caplog):
+    session = _session(tmp_path, config={"run_record": False})
+    results = _train(session, 12)
+    assert len(results) >= 2  # windows did complete...
+    assert session._publisher is None and session.publish_ns == 0  # ...and nothing was built for them
+    with caplog.at_level(logging.WARNING, logger="pace_strategy.session"):
+        session.publish(dataclasses.replace(results[0], warnings=("rank 3 is a persistent straggler",)))
+    assert "rank 3 is a persistent straggler" in caplog.text
+    session.finish()
