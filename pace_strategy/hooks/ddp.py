@@ -4,9 +4,8 @@ It composes: the wrapped hook (a user's hook such as fp16 compression, or by def
 all-reduce) does the communication and its result is returned unchanged, so pacing never changes the
 gradients. The hot path is one clock mark and an append per bucket. The default all-reduce is issued
 on the process group directly and needs one Python callback per bucket (to turn the work's tensor
-list into the tensor DDP expects), the last bucket's also marking completion: measured, that is what
-makes a Python comm hook cost less than torch's ``allreduce_hook`` plus a second callback
-(docs/overhead.md).
+list into the tensor DDP expects), the last bucket's also marking completion. Measured, that costs
+less than wrapping torch's ``allreduce_hook`` and chaining a second callback (docs/overhead.md).
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the hook's annotations at run time.
