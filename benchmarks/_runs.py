@@ -39,6 +39,11 @@ def run_demo(
     return times, (records[0] if records else None)
 
 
+def transient_spec(ranks: int, ms: int = 30, probability: float = 0.1) -> str:
+    """The ``--straggler`` spec of transient stragglers: every rank ``+ms`` with ``probability`` per step."""
+    return ",".join(f"{r}:{ms}:{probability}" for r in range(ranks))
+
+
 def provenance(args: Any) -> dict[str, Any]:
     """Date, machine and command of a benchmark result."""
     return {

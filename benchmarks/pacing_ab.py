@@ -43,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _runs import provenance, run_demo
+from _runs import provenance, run_demo, transient_spec
 
 from pace_strategy import testbed
 from pace_strategy.telemetry.run_record import read_run_record
@@ -63,10 +63,6 @@ class Scenario:
 ARMS = ("plain", "candidate")
 
 
-def _transient(ranks: int, ms: int = 30, probability: float = 0.1) -> str:
-    return ",".join(f"{r}:{ms}:{probability}" for r in range(ranks))
-
-
 def scenarios(compute_ms: float, uplink_mbit: float) -> list[Scenario]:
     base = ("--compute-ms", f"{compute_ms:g}")
     out = [
@@ -81,7 +77,7 @@ def scenarios(compute_ms: float, uplink_mbit: float) -> list[Scenario]:
         Scenario(
             "transient",
             4,
-            (*base, "--straggler", _transient(4)),
+            (*base, "--straggler", transient_spec(4)),
             "every rank +30 ms with probability 0.1 per step (seeded)",
         ),
         Scenario("persistent", 4, (*base, "--straggler", "1:30"), "rank 1 +30 ms every step"),
@@ -97,7 +93,7 @@ def scenarios(compute_ms: float, uplink_mbit: float) -> list[Scenario]:
             Scenario(
                 f"transient@{ranks}",
                 ranks,
-                (*base, "--straggler", _transient(ranks)),
+                (*base, "--straggler", transient_spec(ranks)),
                 f"as transient, {ranks} ranks",
             )
         )
@@ -108,7 +104,7 @@ def scenarios(compute_ms: float, uplink_mbit: float) -> list[Scenario]:
             Scenario(
                 f"uplink+transient@{ranks}",
                 ranks,
-                (*base, "--straggler", _transient(ranks)),
+                (*base, "--straggler", transient_spec(ranks)),
                 f"2 nodes in 2 racks ({ranks // 2} ranks each), uplink {uplink_mbit:g} Mbit/s, "
                 "transient as above",
                 fabric=spec,

@@ -43,14 +43,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _runs import provenance
+from _runs import provenance, transient_spec
 
 #: name -> (straggler spec of pace_strategy.inject, what it is, candidate arm)
 SCENARIOS: dict[str, tuple[str, str, str]] = {
     "control": ("", "two plain DDP models, no injection: the ruler's own error", "plain"),
     "clean": ("", "no injection", "paced"),
     "persistent": ("1:30", "rank 1 +30 ms every step", "paced"),
-    "transient": ("0:30:0.1,1:30:0.1,2:30:0.1,3:30:0.1", "every rank +30 ms with p=0.1 (seeded)", "paced"),
+    "transient": (transient_spec(4), "every rank +30 ms with p=0.1 (seeded)", "paced"),
 }
 
 
@@ -71,12 +71,6 @@ class Job:
     variant: str
 
 
-def _model() -> Any:
-    from torch import nn
-
-    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
-
-
 def _worker(rank: int, job: Job) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -85,6 +79,7 @@ def _worker(rank: int, job: Job) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     from pace_strategy.core import PacingConfig
+    from pace_strategy.demo import demo_net
     from pace_strategy.hooks.ddp import register_paced_hook
     from pace_strategy.inject import parse_stragglers, sleep_injected
     from pace_strategy.session import PacingSession
@@ -98,7 +93,7 @@ def _worker(rank: int, job: Job) -> None:
     spec, _, candidate = SCENARIOS[job.scenario]
     stragglers = parse_stragglers(spec)
     torch.manual_seed(0)
-    base = _model()
+    base = demo_net(256)  # the demo's MLP at its default width
     models = {"plain": DDP(copy.deepcopy(base)), "candidate": DDP(copy.deepcopy(base))}
     opts = {arm: torch.optim.SGD(m.parameters(), lr=0.05) for arm, m in models.items()}
     session = None

@@ -73,6 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def demo_net(hidden: int) -> Any:
+    """The demo's model: an MLP from 64 inputs through two ``hidden``-wide layers to 10 classes."""
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10)
+    )
+
+
 def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     import lightning as L
     import torch
@@ -90,13 +99,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     class DemoModel(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = nn.Sequential(
-                nn.Linear(64, args.hidden),
-                nn.ReLU(),
-                nn.Linear(args.hidden, args.hidden),
-                nn.ReLU(),
-                nn.Linear(args.hidden, 10),
-            )
+            self.net = demo_net(args.hidden)
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             x, y = batch

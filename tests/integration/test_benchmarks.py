@@ -1,4 +1,4 @@
-"""Smoke run of the A/B benchmark (one short scenario): it runs, measures both arms, writes its table.
+"""Smoke runs of the benchmarks (one short scenario each): they run, measure both arms, write their table.
 
 Not a check of what pacing achieves: the benchmark's numbers are not pass/fail (docs/benchmarks.md).
 """
@@ -16,15 +16,15 @@ import pytest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pacing_ab.py"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _smoke_run(tmp_path, scenario, steps=40):
-    """One short pair of ``scenario``; returns the process, its one JSON row and the Markdown table."""
-    out_json, out_md = tmp_path / "ab.json", tmp_path / "ab.md"
-    args = ["--repeats", "1", "--steps", str(steps), "--skip", "10", "--scenarios", scenario]
+def _run_benchmark(tmp_path, script, args):
+    """``benchmarks/SCRIPT ARGS`` writing into ``tmp_path``; returns the process, its one JSON row and
+    the Markdown table."""
+    out_json, out_md = tmp_path / "out.json", tmp_path / "out.md"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), *args, "--out", str(out_json), "--markdown", str(out_md)],
+        [sys.executable, str(BENCHMARKS / script), *args, "--out", str(out_json), "--markdown", str(out_md)],
         env=dict(os.environ, OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
@@ -33,6 +33,12 @@ def _smoke_run(tmp_path, scenario, steps=40):
     assert done.returncode == 0, done.stderr[-3000:]
     (row,) = json.loads(out_json.read_text())["rows"]
     return done, row, out_md.read_text()
+
+
+def _smoke_run(tmp_path, scenario, steps=40):
+    """One short pair of ``scenario`` of the run-level A/B benchmark."""
+    args = ["--repeats", "1", "--steps", str(steps), "--skip", "10", "--scenarios", scenario]
+    return _run_benchmark(tmp_path, "pacing_ab.py", args)
 
 
 def test_pacing_ab_smoke_run_writes_both_arms(tmp_path):
@@ -74,19 +80,9 @@ def test_pacing_ab_smoke_run_over_the_test_bed_uplink(tmp_path):
 
 def test_interleaved_benchmark_trains_both_arms_to_the_same_weights(tmp_path):
     """Plain and paced DDP alternate in the same processes; pacing must not change a bit of the model."""
-    out_json, out_md = tmp_path / "il.json", tmp_path / "il.md"
     args = ["--ranks", "2", "--steps", "40", "--skip", "5", "--blocks", "2", "--scenarios", "persistent"]
-    args += ["--out", str(out_json), "--markdown", str(out_md)]
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT.parent / "pacing_interleaved.py"), *args],
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=220,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    (row,) = json.loads(out_json.read_text())["rows"]
+    _, row, table = _run_benchmark(tmp_path, "pacing_interleaved.py", args)
     assert row["steps_measured"] == 35 and 0.5 < row["throughput_ratio"] < 2.0
     assert row["median_step_plain_ms"] > 50.0  # 20 ms emulated compute + rank 1's injected 30 ms
     assert row["max_weight_difference"] == 0.0
-    assert "| persistent |" in out_md.read_text()
+    assert "| persistent |" in table
