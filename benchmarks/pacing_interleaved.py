@@ -1,27 +1,31 @@
-"""Plain DDP and paced DDP in the same processes, alternating step by step: pacing's cost, resolved.
+"""Plain DDP, a Python comm hook and paced DDP in the same processes, in turn: pacing's cost, resolved.
 
 Not a test: it prints what it measured. Run-level A/B (``pacing_ab.py``) compares whole runs, and
 on a shared 2-core machine two identical runs differ by several percent, so it cannot resolve the
-0.5% that matters where pacing cannot help. Here every rank holds two identical DDP models of the
-demo's MLP on one gloo group: ``plain`` (stock DDP, its built-in all-reduce) and ``paced`` (the
-pacing comm hook and a full :class:`~pace_strategy.session.PacingSession`: window exchange on its
-own gloo group, the adaptive controller, and on rank 0 the telemetry thread writing the ``pace/``
-tags to a real TensorBoard event file and the run record). Each step trains both, in alternating
-order (plain first on even steps, paced first on odd ones), on the same batch with the same
-injected sleep, so both arms see the same minutes of the machine.
+0.5% that matters where pacing cannot help. Here every rank holds three identical DDP models of the
+demo's MLP on one gloo group: ``plain`` (stock DDP, its built-in all-reduce, no Python in it),
+``hook`` (DDP with torch's own Python ``allreduce_hook``: what any Python comm hook costs, the floor
+for a hook-based monitor) and ``paced`` (the pacing comm hook and a full
+:class:`~pace_strategy.session.PacingSession`: window exchange on its own gloo group, the adaptive
+controller, and on rank 0 the telemetry thread writing the ``pace/`` tags to a real TensorBoard
+event file and the run record). Each step trains all three, in rotating order (plain hook paced,
+hook paced plain, paced plain hook, ...), on the same batch with the same injected sleep, so every
+arm sees the same minutes of the machine.
 
-A barrier on a third group closes every step of every arm: the interval between two barriers on
+A barrier on a separate group closes every step of every arm: the interval between two barriers on
 rank 0 is one arm's step, including every rank's work after its all-reduce (the paced arm's window
-work, on the straggler too), so nothing one arm does is charged to the other. The barrier costs both
-arms alike, which dilutes the ratio towards 1 by its share of a step (printed).
+work, on the straggler too), so nothing one arm does is charged to another. The barrier costs every
+arm alike, which dilutes the ratios towards 1 by its share of a step (printed).
 
-Reported per scenario: throughput ratio paced/plain (summed step times of the measured steps), its
-standard error over ``--blocks`` consecutive blocks, the share of paced steps with pacing active and
-the mean delay, the largest weight difference between the two models at the end (pacing never
-changes the math; 0 means bit-identical), and the ``control`` scenario: two plain models, the
-ruler's own error. ``--variant`` takes the paced arm's cost apart (see ``--help``).
+Reported per scenario: throughput ratios paced/plain, hook/plain and paced/hook (summed step times
+of the measured steps), each with its standard error over ``--blocks`` consecutive blocks, the
+share of paced steps with pacing active and the mean delay, the largest weight difference between
+the models at the end (pacing never changes the math; 0 means bit-identical), and the ``control``
+scenario, where the paced arm is plain DDP too: the ruler's own error. ``--variant no-telemetry``
+drops the paced arm's telemetry; ``--hook builtin`` makes the middle arm DDP's C++ all-reduce comm
+hook, to tell the cost of Python from the cost of the comm-hook path (see ``--help``).
 
-    python benchmarks/pacing_interleaved.py                  # ~7 minutes on 2 cores
+    python benchmarks/pacing_interleaved.py                  # ~10 minutes on 2 cores
     python benchmarks/pacing_interleaved.py --steps 200 --scenarios persistent   # quick look
 """
 
@@ -47,15 +51,21 @@ from _runs import provenance, transient_spec
 
 #: name -> (straggler spec of pace_strategy.inject, what it is, candidate arm)
 SCENARIOS: dict[str, tuple[str, str, str]] = {
-    "control": ("", "two plain DDP models, no injection: the ruler's own error", "plain"),
+    "control": ("", "candidate is plain DDP too, no injection: the ruler's own error", "plain"),
     "clean": ("", "no injection", "paced"),
     "persistent": ("1:30", "rank 1 +30 ms every step", "paced"),
     "transient": (transient_spec(4), "every rank +30 ms with p=0.1 (seeded)", "paced"),
 }
 
 
+#: The arms every step trains, in rotating order. ``candidate`` is the paced arm (plain in ``control``).
+ARMS = ("plain", "hook", "candidate")
+
 #: What the paced arm is (``--variant``), to take its cost apart.
-VARIANTS = ("full", "no-telemetry", "torch-hook")
+VARIANTS = ("full", "no-telemetry")
+
+#: What the ``hook`` arm is (``--hook``): torch's Python all-reduce hook or DDP's C++ one.
+HOOKS = ("python", "builtin")
 
 
 @dataclass(frozen=True)
@@ -69,12 +79,14 @@ class Job:
     out: str
     log_dir: str
     variant: str
+    hook: str
 
 
 def _worker(rank: int, job: Job) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.tensorboard import SummaryWriter
 
@@ -94,16 +106,15 @@ def _worker(rank: int, job: Job) -> None:
     stragglers = parse_stragglers(spec)
     torch.manual_seed(0)
     base = demo_net(256)  # the demo's MLP at its default width
-    models = {"plain": DDP(copy.deepcopy(base)), "candidate": DDP(copy.deepcopy(base))}
+    models = {arm: DDP(copy.deepcopy(base)) for arm in ARMS}
     opts = {arm: torch.optim.SGD(m.parameters(), lr=0.05) for arm, m in models.items()}
+    if job.hook == "python":  # the floor of any hook-based monitor: torch's own Python all-reduce hook
+        models["hook"].register_comm_hook(None, default_hooks.allreduce_hook)
+    else:  # the same all-reduce as a C++ comm hook: the comm-hook path without Python
+        models["hook"]._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
     session = None
     writer = None
-    if candidate == "paced" and job.variant == "torch-hook":
-        # Only the cost of a Python comm hook: torch's own all-reduce hook, no pacer.
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        models["candidate"].register_comm_hook(None, default_hooks.allreduce_hook)
-    elif candidate == "paced":
+    if candidate == "paced":
         telemetry = job.variant == "full"
         sink = None
         if rank == 0 and telemetry:
@@ -125,15 +136,16 @@ def _worker(rank: int, job: Job) -> None:
         register_paced_hook(models["candidate"], session.pacer)
     sync = dist.new_group(backend="gloo")
     gen = torch.Generator().manual_seed(1234 + rank)
-    times: dict[str, list[float]] = {"plain": [], "candidate": []}
+    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     dist.barrier(group=sync)
     last = time.perf_counter()
     for step in range(job.steps):
         x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
-        for arm in ("plain", "candidate") if step % 2 == 0 else ("candidate", "plain"):
+        turn = step % len(ARMS)
+        for arm in ARMS[turn:] + ARMS[:turn]:
             pacer = session.pacer if session is not None and arm == "candidate" else None
             if pacer is not None:
-                pacer.interrupt()  # the other arm's step ran since this arm's last one
+                pacer.interrupt()  # the other arms' steps ran since this arm's last one
                 pacer.begin_step(step)
             sleep_injected(stragglers, rank, step)
             time.sleep(job.compute_ms / 1e3)  # stands in for accelerator time, as in the demo
@@ -157,7 +169,8 @@ def _worker(rank: int, job: Job) -> None:
     barrier_ms = _barrier_ms(sync)
     diff = max(
         (a - b).abs().max().item()
-        for a, b in zip(models["plain"].parameters(), models["candidate"].parameters(), strict=True)
+        for arm in ARMS[1:]
+        for a, b in zip(models["plain"].parameters(), models[arm].parameters(), strict=True)
     )
     if rank == 0:
         Path(job.out).write_text(
@@ -183,24 +196,41 @@ def run(job: Job) -> dict[str, Any]:
     return json.loads(Path(job.out).read_text())
 
 
-def summarize(name: str, variant: str, raw: dict[str, Any], skip: int, blocks: int) -> dict[str, Any]:
-    plain, cand = raw["times"]["plain"][skip:], raw["times"]["candidate"][skip:]
-    size = len(plain) // blocks
+def throughput_ratio(base: list[float], arm: list[float], blocks: int) -> tuple[float, float, list[float]]:
+    """Throughput of ``arm`` over ``base`` (summed step times), its standard error over ``blocks``
+    consecutive blocks, and the block ratios."""
+    size = len(base) // blocks
     block_ratios = [
-        sum(plain[i * size : (i + 1) * size]) / sum(cand[i * size : (i + 1) * size]) for i in range(blocks)
+        sum(base[i * size : (i + 1) * size]) / sum(arm[i * size : (i + 1) * size]) for i in range(blocks)
     ]
+    return sum(base) / sum(arm), statistics.stdev(block_ratios) / math.sqrt(blocks), block_ratios
+
+
+def summarize(
+    name: str, variant: str, hook: str, raw: dict[str, Any], skip: int, blocks: int
+) -> dict[str, Any]:
+    plain, hooked, cand = (raw["times"][arm][skip:] for arm in ARMS)
+    ratio, error, block_ratios = throughput_ratio(plain, cand, blocks)
+    hook_ratio, hook_error, _ = throughput_ratio(plain, hooked, blocks)
+    over_hook, over_hook_error, _ = throughput_ratio(hooked, cand, blocks)
     delays = [d for step, d in raw["paced_delay"].items() if int(step) >= skip]
     median_plain = statistics.median(plain)
     return {
         "scenario": name,
         "variant": variant,
+        "hook": hook,
         "what": SCENARIOS[name][1],
         "candidate": SCENARIOS[name][2],
         "steps_measured": len(plain),
-        "throughput_ratio": sum(plain) / sum(cand),
-        "standard_error": statistics.stdev(block_ratios) / math.sqrt(blocks),
+        "throughput_ratio": ratio,
+        "standard_error": error,
         "block_ratios": block_ratios,
+        "hook_ratio": hook_ratio,
+        "hook_standard_error": hook_error,
+        "over_hook_ratio": over_hook,
+        "over_hook_standard_error": over_hook_error,
         "median_step_plain_ms": median_plain,
+        "median_step_hook_ms": statistics.median(hooked),
         "median_step_candidate_ms": statistics.median(cand),
         "pacing_active_share": (sum(d > 0 for d in delays) / len(delays)) if delays else None,
         "mean_delay_ms": statistics.fmean(delays) if delays else None,
@@ -209,21 +239,26 @@ def summarize(name: str, variant: str, raw: dict[str, Any], skip: int, blocks: i
     }
 
 
-def markdown(rows: list[dict[str, Any]], header: str) -> str:
+def markdown(rows: list[dict[str, Any]], header: str, hook: str) -> str:
+    label = "Python hook" if hook == "python" else "C++ hook"
     lines = [
         header,
         "",
-        "| scenario | throughput paced/plain | standard error | median step plain / paced | pacing active "
-        "| mean delay | barrier share | max weight difference |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| scenario | throughput paced/plain | {label}/plain | paced/{label} "
+        "| median step plain / hook / paced | pacing active | mean delay | barrier share "
+        "| max weight difference |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        name = r["scenario"] + (" (plain vs plain)" if r["candidate"] == "plain" else "")
+        name = r["scenario"] + (" (paced arm is plain DDP)" if r["candidate"] == "plain" else "")
         share = "-" if r["pacing_active_share"] is None else f"{r['pacing_active_share']:.0%}"
         delay = "-" if r["mean_delay_ms"] is None else f"{r['mean_delay_ms']:.2f} ms"
         lines.append(
-            f"| {name} | {r['throughput_ratio']:.4f} | {r['standard_error']:.4f} "
-            f"| {r['median_step_plain_ms']:.2f} / {r['median_step_candidate_ms']:.2f} ms | {share} | {delay} "
+            f"| {name} | {r['throughput_ratio']:.4f} +/- {r['standard_error']:.4f} "
+            f"| {r['hook_ratio']:.4f} +/- {r['hook_standard_error']:.4f} "
+            f"| {r['over_hook_ratio']:.4f} +/- {r['over_hook_standard_error']:.4f} "
+            f"| {r['median_step_plain_ms']:.2f} / {r['median_step_hook_ms']:.2f} / "
+            f"{r['median_step_candidate_ms']:.2f} ms | {share} | {delay} "
             f"| {r['barrier_share']:.2%} | {r['max_weight_difference']:.1e} |"
         )
     return "\n".join(lines) + "\n"
@@ -232,7 +267,7 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, default=4, help="CPU processes (gloo); default 4")
-    p.add_argument("--steps", type=int, default=1000, help="steps per arm; default 1000")
+    p.add_argument("--steps", type=int, default=1000, help="steps per arm (each of three); default 1000")
     p.add_argument("--skip", type=int, default=50, help="warm-up steps of each arm dropped; default 50")
     p.add_argument("--blocks", type=int, default=10, help="blocks for the standard error; default 10")
     p.add_argument("--compute-ms", type=float, default=20.0, help="emulated accelerator time per step")
@@ -242,8 +277,14 @@ def main() -> int:
         choices=VARIANTS,
         default="full",
         help="what the paced arm is: full (default); no-telemetry (no TensorBoard tags, no run "
-        "record: the pacer and hook alone); torch-hook (plain DDP with torch's Python allreduce_hook: "
-        "what any Python comm hook costs)",
+        "record: the pacer and hook alone)",
+    )
+    p.add_argument(
+        "--hook",
+        choices=HOOKS,
+        default="python",
+        help="what the middle arm is: python (default; torch's allreduce_hook, what any Python comm "
+        "hook costs); builtin (DDP's C++ all-reduce comm hook: the comm-hook path without Python)",
     )
     p.add_argument("--out", default="benchmarks/results/pacing_interleaved.json")
     p.add_argument("--markdown", default="benchmarks/results/pacing_interleaved.md")
@@ -265,7 +306,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="pace-interleaved-") as tmp:
         for i, name in enumerate(chosen):
             print(
-                f"[{i + 1}/{len(chosen)}] {name}: {args.ranks} ranks x {args.steps} steps per arm ...",
+                f"[{i + 1}/{len(chosen)}] {name}: {args.ranks} ranks x {args.steps} steps x {len(ARMS)} arms",
                 flush=True,
             )
             job = Job(
@@ -278,11 +319,13 @@ def main() -> int:
                 out=f"{tmp}/out-{i}.json",
                 log_dir=f"{tmp}/tb-{i}",
                 variant=args.variant,
+                hook=args.hook,
             )
-            row = summarize(name, args.variant, run(job), args.skip, args.blocks)
+            row = summarize(name, args.variant, args.hook, run(job), args.skip, args.blocks)
             rows.append(row)
             print(
-                f"      ratio {row['throughput_ratio']:.4f} +/- {row['standard_error']:.4f}  "
+                f"      paced/plain {row['throughput_ratio']:.4f} +/- {row['standard_error']:.4f}  "
+                f"hook/plain {row['hook_ratio']:.4f}  paced/hook {row['over_hook_ratio']:.4f}  "
                 f"elapsed {time.monotonic() - t0:5.0f} s",
                 flush=True,
             )
@@ -290,10 +333,11 @@ def main() -> int:
     header = (
         f"{meta['date']}, {meta['machine']['cpus']} CPUs ({meta['machine']['platform']}), gloo, "
         f"{args.ranks} ranks, {args.steps} steps per arm (first {args.skip} dropped), emulated compute "
-        f"{args.compute_ms:g} ms/step, standard error over {args.blocks} blocks, paced arm: {args.variant}. "
+        f"{args.compute_ms:g} ms/step, standard error over {args.blocks} blocks, paced arm: {args.variant}, "
+        f"hook arm: {args.hook}. "
         f"Command: `{meta['command']}`"
     )
-    table = markdown(rows, header)
+    table = markdown(rows, header, args.hook)
     print("\n" + table)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(

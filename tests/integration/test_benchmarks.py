@@ -1,4 +1,4 @@
-"""Smoke runs of the benchmarks (one short scenario each): they run, measure both arms, write their table.
+"""Smoke runs of the benchmarks (one short scenario each): they run, measure every arm, write their table.
 
 Not a check of what pacing achieves: the benchmark's numbers are not pass/fail (docs/benchmarks.md).
 """
@@ -78,11 +78,25 @@ def test_pacing_ab_smoke_run_over_the_test_bed_uplink(tmp_path):
     assert "pace-ab" not in netns  # brought up for the scenario, torn down after it
 
 
-def test_interleaved_benchmark_trains_both_arms_to_the_same_weights(tmp_path):
-    """Plain and paced DDP alternate in the same processes; pacing must not change a bit of the model."""
+def test_interleaved_benchmark_trains_all_three_arms_to_the_same_weights(tmp_path):
+    """Plain DDP, torch's Python hook and paced DDP take turns in the same processes; neither the hook
+    nor pacing may change a bit of the model."""
     args = ["--ranks", "2", "--steps", "40", "--skip", "5", "--blocks", "2", "--scenarios", "persistent"]
     _, row, table = _run_benchmark(tmp_path, "pacing_interleaved.py", args)
     assert row["steps_measured"] == 35 and 0.5 < row["throughput_ratio"] < 2.0
-    assert row["median_step_plain_ms"] > 50.0  # 20 ms emulated compute + rank 1's injected 30 ms
+    assert 0.5 < row["hook_ratio"] < 2.0
+    # The three ratios come from the same step times: paced/plain = hook/plain x paced/hook.
+    assert row["throughput_ratio"] == pytest.approx(row["hook_ratio"] * row["over_hook_ratio"], rel=1e-9)
+    for arm in ("plain", "hook", "candidate"):  # 20 ms emulated compute + rank 1's injected 30 ms
+        assert row[f"median_step_{arm}_ms"] > 50.0
     assert row["max_weight_difference"] == 0.0
-    assert "| persistent |" in table
+    assert "| persistent |" in table and "Python hook/plain" in table
+
+
+def test_interleaved_benchmark_can_take_the_cpp_comm_hook_as_the_middle_arm(tmp_path):
+    """``--hook builtin``: DDP's C++ all-reduce hook, the comm-hook path without Python, same bits."""
+    args = ["--ranks", "2", "--steps", "20", "--skip", "4", "--blocks", "2", "--scenarios", "clean"]
+    _, row, table = _run_benchmark(tmp_path, "pacing_interleaved.py", [*args, "--hook", "builtin"])
+    assert row["hook"] == "builtin" and 0.5 < row["hook_ratio"] < 2.0
+    assert row["max_weight_difference"] == 0.0
+    assert "C++ hook/plain" in table
