@@ -44,6 +44,15 @@ def transient_spec(ranks: int, ms: int = 30, probability: float = 0.1) -> str:
     return ",".join(f"{r}:{ms}:{probability}" for r in range(ranks))
 
 
+def write_results(out: str, markdown_path: str, table: str, result: dict[str, Any]) -> None:
+    """Print the Markdown table, write it and the JSON result (parent folders created), say where."""
+    print("\n" + table)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    Path(markdown_path).write_text(table)
+    print(f"wrote {out} and {markdown_path}")
+
+
 def provenance(args: Any) -> dict[str, Any]:
     """Date, machine and command of a benchmark result."""
     return {

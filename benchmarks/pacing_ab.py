@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import statistics
@@ -43,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _runs import provenance, run_demo, transient_spec
+from _runs import provenance, run_demo, transient_spec, write_results
 
 from pace_strategy import testbed
 from pace_strategy.telemetry.run_record import read_run_record
@@ -280,12 +279,8 @@ def main() -> int:
         f"A/B pairs per scenario, emulated compute {args.compute_ms:g} ms/step. Command: "
         f"`{meta['command']}`; test-bed uplink {args.uplink_mbit:g} Mbit/s"
     )
-    table = markdown(rows, header, skipped)
-    print("\n" + table)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"benchmark": "pacing_ab", **meta, "rows": rows}, indent=2) + "\n")
-    Path(args.markdown).write_text(table)
-    print(f"wrote {args.out} and {args.markdown}")
+    result = {"benchmark": "pacing_ab", **meta, "rows": rows}
+    write_results(args.out, args.markdown, markdown(rows, header, skipped), result)
     return 0
 
 

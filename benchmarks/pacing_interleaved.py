@@ -5,12 +5,12 @@ on a shared 2-core machine two identical runs differ by several percent, so it c
 0.5% that matters where pacing cannot help. Here every rank holds three identical DDP models of the
 demo's MLP on one gloo group: ``plain`` (stock DDP, its built-in all-reduce, no Python in it),
 ``hook`` (DDP with torch's own Python ``allreduce_hook``: what any Python comm hook costs, the floor
-for a hook-based monitor) and ``paced`` (the pacing comm hook and a full
-:class:`~pace_strategy.session.PacingSession`: window exchange on its own gloo group, the adaptive
-controller, and on rank 0 the telemetry thread writing the ``pace/`` tags to a real TensorBoard
-event file and the run record). Each step trains all three, in rotating order (plain hook paced,
-hook paced plain, paced plain hook, ...), on the same batch with the same injected sleep, so every
-arm sees the same minutes of the machine.
+for a hook-based monitor) and ``paced`` (DDP's built-in reduction under the default grad-ready
+monitor and a full :class:`~pace_strategy.session.PacingSession`: window exchange on its own gloo
+group, the adaptive controller, and on rank 0 the telemetry thread writing the ``pace/`` tags to a
+real TensorBoard event file and the run record). Each step trains all three, in rotating order
+(plain hook paced, hook paced plain, paced plain hook, ...), on the same batch with the same injected
+sleep, so every arm sees the same minutes of the machine.
 
 A barrier on a separate group closes every step of every arm: the interval between two barriers on
 rank 0 is one arm's step, including every rank's work after its all-reduce (the paced arm's window
@@ -22,7 +22,8 @@ of the measured steps), each with its standard error over ``--blocks`` consecuti
 share of paced steps with pacing active and the mean delay, the largest weight difference between
 the models at the end (pacing never changes the math; 0 means bit-identical), and the ``control``
 scenario, where the paced arm is plain DDP too: the ruler's own error. ``--variant no-telemetry``
-drops the paced arm's telemetry; ``--hook builtin`` makes the middle arm DDP's C++ all-reduce comm
+drops the paced arm's telemetry, ``--variant comm-hook`` times it with the pacing comm hook
+(``ddp_monitor: comm_hook``) instead; ``--hook builtin`` makes the middle arm DDP's C++ all-reduce comm
 hook, to tell the cost of Python from the cost of the comm-hook path (see ``--help``).
 
     python benchmarks/pacing_interleaved.py                  # ~10 minutes on 2 cores
@@ -47,7 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _runs import provenance, transient_spec
+from _runs import provenance, transient_spec, write_results
 
 #: name -> (straggler spec of pace_strategy.inject, what it is, candidate arm)
 SCENARIOS: dict[str, tuple[str, str, str]] = {
@@ -62,7 +63,7 @@ SCENARIOS: dict[str, tuple[str, str, str]] = {
 ARMS = ("plain", "hook", "candidate")
 
 #: What the paced arm is (``--variant``), to take its cost apart.
-VARIANTS = ("full", "no-telemetry")
+VARIANTS = ("full", "no-telemetry", "comm-hook")
 
 #: What the ``hook`` arm is (``--hook``): torch's Python all-reduce hook or DDP's C++ one.
 HOOKS = ("python", "builtin")
@@ -92,7 +93,7 @@ def _worker(rank: int, job: Job) -> None:
 
     from pace_strategy.core import PacingConfig
     from pace_strategy.demo import demo_net
-    from pace_strategy.hooks.ddp import register_paced_hook
+    from pace_strategy.hooks.ddp import attach_paced_ddp
     from pace_strategy.inject import parse_stragglers, sleep_injected
     from pace_strategy.session import PacingSession
     from pace_strategy.telemetry.run_record import read_run_record
@@ -115,7 +116,7 @@ def _worker(rank: int, job: Job) -> None:
     session = None
     writer = None
     if candidate == "paced":
-        telemetry = job.variant == "full"
+        telemetry = job.variant != "no-telemetry"
         sink = None
         if rank == 0 and telemetry:
             writer = SummaryWriter(job.log_dir)
@@ -125,7 +126,10 @@ def _worker(rank: int, job: Job) -> None:
                     writer.add_scalar(tag, value, step)
 
         session = PacingSession.with_side_group(
-            PacingConfig(run_record=telemetry),  # otherwise the defaults: adaptive
+            # otherwise the defaults: adaptive, grad-ready monitor
+            PacingConfig(
+                run_record=telemetry, ddp_monitor="comm_hook" if job.variant == "comm-hook" else "grad_ready"
+            ),
             rank=rank,
             world_size=job.ranks,
             device=torch.device("cpu"),
@@ -133,7 +137,7 @@ def _worker(rank: int, job: Job) -> None:
             log_dir=job.log_dir if rank == 0 else None,
             metrics_sink=sink,
         )
-        register_paced_hook(models["candidate"], session.pacer)
+        attach_paced_ddp(models["candidate"], session.pacer)
     sync = dist.new_group(backend="gloo")
     gen = torch.Generator().manual_seed(1234 + rank)
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
@@ -276,8 +280,9 @@ def main() -> int:
         "--variant",
         choices=VARIANTS,
         default="full",
-        help="what the paced arm is: full (default); no-telemetry (no TensorBoard tags, no run "
-        "record: the pacer and hook alone)",
+        help="what the paced arm is: full (default: grad-ready monitor, telemetry); no-telemetry "
+        "(no TensorBoard tags, no run record: the pacer and monitor alone); comm-hook (full, timed "
+        "by the pacing comm hook)",
     )
     p.add_argument(
         "--hook",
@@ -285,6 +290,12 @@ def main() -> int:
         default="python",
         help="what the middle arm is: python (default; torch's allreduce_hook, what any Python comm "
         "hook costs); builtin (DDP's C++ all-reduce comm hook: the comm-hook path without Python)",
+    )
+    p.add_argument(
+        "--log-root",
+        default=None,
+        help="keep each scenario's TensorBoard logs and run record under LOG_ROOT/SCENARIO (default: "
+        "a temporary directory, removed; `pace diagnose LOG_ROOT/SCENARIO` reads a kept one)",
     )
     p.add_argument("--out", default="benchmarks/results/pacing_interleaved.json")
     p.add_argument("--markdown", default="benchmarks/results/pacing_interleaved.md")
@@ -317,7 +328,7 @@ def main() -> int:
                 compute_ms=args.compute_ms,
                 store=f"{tmp}/store-{i}",
                 out=f"{tmp}/out-{i}.json",
-                log_dir=f"{tmp}/tb-{i}",
+                log_dir=f"{args.log_root}/{name}" if args.log_root else f"{tmp}/tb-{i}",
                 variant=args.variant,
                 hook=args.hook,
             )
@@ -337,14 +348,8 @@ def main() -> int:
         f"hook arm: {args.hook}. "
         f"Command: `{meta['command']}`"
     )
-    table = markdown(rows, header, args.hook)
-    print("\n" + table)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(
-        json.dumps({"benchmark": "pacing_interleaved", **meta, "rows": rows}, indent=2) + "\n"
-    )
-    Path(args.markdown).write_text(table)
-    print(f"wrote {args.out} and {args.markdown}")
+    result = {"benchmark": "pacing_interleaved", **meta, "rows": rows}
+    write_results(args.out, args.markdown, markdown(rows, header, args.hook), result)
     return 0
 
 

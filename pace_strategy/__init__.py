@@ -21,7 +21,13 @@ from pace_strategy.core import (
     StepSummary,
     WindowResult,
 )
-from pace_strategy.hooks import PacedHookState, paced_comm_hook, register_paced_hook
+from pace_strategy.hooks import (
+    GradReadyMonitor,
+    PacedHookState,
+    attach_paced_ddp,
+    paced_comm_hook,
+    register_paced_hook,
+)
 from pace_strategy.inject import Straggler
 from pace_strategy.integrations.accelerate import PacingHandle, attach_pacing
 from pace_strategy.session import PacingSession
@@ -33,6 +39,7 @@ with contextlib.suppress(ImportError):
 
 __all__ = [
     "Decision",
+    "GradReadyMonitor",
     "InjectStraggler",
     "PaceDistributedError",
     "PaceTimeoutError",
@@ -51,6 +58,7 @@ __all__ = [
     "Straggler",
     "WindowResult",
     "__version__",
+    "attach_paced_ddp",
     "attach_pacing",
     "auto_shard",
     "paced_comm_hook",

@@ -2,7 +2,7 @@
 
 from pace_strategy.core.clock import Clock, CudaEventClock, HostClock, ManualClock, clock_for_device
 from pace_strategy.core.comm import WindowExchange, gather_json
-from pace_strategy.core.config import PacingConfig, PacingMode
+from pace_strategy.core.config import DDPMonitor, PacingConfig, PacingMode
 from pace_strategy.core.errors import PaceDistributedError, PaceTimeoutError, PacingConfigError
 from pace_strategy.core.pacer import Pacer, WindowResult
 from pace_strategy.core.policy import PacingPolicy
@@ -19,6 +19,7 @@ from pace_strategy.core.skew import (
 __all__ = [
     "Clock",
     "CudaEventClock",
+    "DDPMonitor",
     "Decision",
     "Field",
     "HostClock",

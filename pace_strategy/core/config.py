@@ -11,10 +11,12 @@ from typing import Any, Literal, get_args
 
 from pace_strategy.core.errors import PacingConfigError
 
-__all__ = ["PacingConfig", "PacingMode", "check_known_keys", "doc"]
+__all__ = ["DDPMonitor", "PacingConfig", "PacingMode", "check_known_keys", "doc"]
 
 PacingMode = Literal["adaptive", "monitor", "forced"]
 _MODES: tuple[str, ...] = get_args(PacingMode)
+DDPMonitor = Literal["grad_ready", "comm_hook"]
+_DDP_MONITORS: tuple[str, ...] = get_args(DDPMonitor)
 
 
 def doc(text: str) -> dict[str, str]:
@@ -50,6 +52,17 @@ class PacingConfig:
             windows show that pacing helps. ``"monitor"``: measure and report, never delay a rank.
             ``"forced"``: apply the computed delays whenever there is a pacable lead, bypassing the
             activation rule and the A/B safety check (for experiments and tests)."""
+        ),
+    )
+    ddp_monitor: DDPMonitor = field(
+        default="grad_ready",
+        metadata=doc(
+            """How DDP's sync point is timed. ``"grad_ready"``: arrival at the step's first gradient
+            (a hook on the parameter whose gradient comes first, before DDP launches any bucket),
+            completion once DDP has waited for every bucket; no Python runs on the communication path,
+            and a user's comm hook is registered as it is. ``"comm_hook"``: a comm hook that wraps the
+            user's (or the default all-reduce) and times every bucket (the run record's ``buckets``);
+            it costs more per step (docs/overhead.md). FSDP ignores this field."""
         ),
     )
     exchange_every_steps: int = field(
@@ -138,6 +151,16 @@ class PacingConfig:
             the unpaced one (0.005 = 0.5%); otherwise the controller backs off for a cool-down."""
         ),
     )
+    ab_noise_factor: float = field(
+        default=1.0,
+        metadata=doc(
+            """Pacing is kept only if its gain also exceeds this many standard deviations of the A/B
+            difference that noise alone would give, estimated from the spread of the unpaced window
+            medians seen before the trial (the run's own window-to-window noise). A gain within noise
+            is a failed check. 0 leaves only ``min_gain_fraction``; higher values keep fewer false
+            gains and fewer real ones (docs/configuration.md)."""
+        ),
+    )
     probe_every_windows: int = field(
         default=8,
         metadata=doc(
@@ -198,6 +221,8 @@ class PacingConfig:
     def __post_init__(self) -> None:
         if self.mode not in _MODES:
             _fail("mode", self.mode, f"one of {', '.join(repr(m) for m in _MODES)}")
+        if self.ddp_monitor not in _DDP_MONITORS:
+            _fail("ddp_monitor", self.ddp_monitor, f"one of {', '.join(repr(m) for m in _DDP_MONITORS)}")
         _positive_int(self, "exchange_every_steps")
         _positive_int(self, "activate_windows")
         _positive_int(self, "deactivate_windows")
@@ -219,6 +244,7 @@ class PacingConfig:
         _number(self, "max_delay_ms", low=0.0)
         _number(self, "min_delay_ms", low=0.0)
         _number(self, "min_gain_fraction", low=0.0, high=1.0)
+        _number(self, "ab_noise_factor", low=0.0)
         _number(self, "exchange_timeout_s", low=0.0, low_open=True)
         _number(self, "straggler_warn_interval_s", low=0.0)
         if not isinstance(self.run_record, bool):

@@ -1,9 +1,10 @@
 """The Pacer: measure each step on this rank, exchange a window, decide identically everywhere, apply.
 
-The adapters (DDP comm hook, Lightning, Accelerate) call four methods in this order each step:
-``begin_step`` (batch ready), ``enter_sync`` (first gradient bucket, from the comm hook; applies the
-delay), ``sync_done_callback`` (chained onto the last bucket's future) and ``end_step`` (after the
-optimizer step). FSDP, whose all-gathers and reduce-scatters are each a sync point, brackets every
+The adapters (DDP monitors, Lightning, Accelerate) call four methods in this order each step:
+``begin_step`` (batch ready), ``enter_sync`` (the step's first gradient is ready, or its first bucket
+reaches the comm hook; applies the delay), ``sync_done`` (after DDP has waited for every bucket) or
+``sync_done_callback`` (chained onto the last bucket's future) and ``end_step`` (after the optimizer
+step). FSDP, whose all-gathers and reduce-scatters are each a sync point, brackets every
 collective with ``enter_collective`` / ``exit_collective`` instead (the first applies the delay).
 The hot path is a clock mark and an append; everything else happens once per window.
 """
@@ -49,6 +50,8 @@ class _OpenStep:
     end: Any | None = None
     delay_ms: float = 0.0
     data_ms: float = 0.0
+    #: whether bucket hand-offs are seen (the comm-hook monitor); False: the buckets are not timed
+    bucketed: bool = True
     handoffs: list[Any] = field(default_factory=list)
     #: (hand-off, completion) marks of each collective timed on its own (FSDP); empty for DDP buckets
     collectives: list[tuple[Any, Any]] = field(default_factory=list)
@@ -158,8 +161,13 @@ class Pacer:
         self._prev_end = None
         self._prev_done = None
 
-    def enter_sync(self) -> None:
-        """Called by the comm hook for the step's first gradient bucket: apply the delay, mark arrival."""
+    def enter_sync(self, bucketed: bool = True) -> None:
+        """The step reaches its sync point: apply the delay, mark arrival.
+
+        Called by the comm hook for the step's first gradient bucket (``bucketed``: later buckets
+        follow through :meth:`note_bucket`), or by the grad-ready monitor for the step's first
+        gradient (``bucketed=False``: buckets are not timed; the run record's ``buckets`` is 0).
+        """
         step = self._open
         if step is None:  # hook fired outside begin/end (a bare DDP loop): open a step implicitly
             self.begin_step(self._steps_seen)
@@ -169,6 +177,7 @@ class Pacer:
             step.handoffs.append(self.clock.mark())
             return
         step.ready = self.clock.mark()
+        step.bucketed = bucketed
         delay = 0.0 if step.warmup else self._delay_ms
         if delay > 0.0:
             self.clock.delay(delay)
@@ -208,6 +217,12 @@ class Pacer:
         end = self.clock.mark()
         step.collectives.append((start, end))
         step.done = end
+
+    def sync_done(self) -> None:
+        """Every gradient collective of the open step has completed (on CUDA: the mark is enqueued on a
+        stream that has waited for them). A later call in the same step moves the mark."""
+        if self._open is not None:
+            self._open.done = self.clock.mark()
 
     def sync_done_callback(self) -> Callable[[torch.futures.Future[Any]], Any]:
         """A callback for the last bucket's future that marks completion and passes the value through."""
@@ -293,7 +308,8 @@ class Pacer:
         row[Field.STEP_MS] = el(s.start, s.end)
         row[Field.DATA_MS] = s.data_ms
         row[Field.GAP_MS] = el(s.prev_done, s.begin) if s.prev_done is not None else el(s.start, s.begin)
-        row[Field.BUCKETS] = float(len(s.handoffs) + (1 if s.ready is not None else 0))
+        if s.bucketed:
+            row[Field.BUCKETS] = float(len(s.handoffs) + (1 if s.ready is not None else 0))
         if s.handoffs and s.arrival is not None:
             row[Field.HANDOFF_SPAN_MS] = el(s.arrival, s.handoffs[-1])
         return row

@@ -25,7 +25,9 @@ class PacingPolicy:
     States: ``MONITOR`` until the unpaced skew has been at least ``activate_skew_fraction`` of the step
     time for ``activate_windows`` windows *and* some rank has a persistent pacable lead; then
     ``PACING`` for ``ab_windows`` windows, whose median step time is compared with the unpaced
-    baseline. Pacing is kept only if it is ``min_gain_fraction`` faster; otherwise ``COOLDOWN`` for
+    baseline. Pacing is kept only if it is ``min_gain_fraction`` faster and the gain exceeds
+    ``ab_noise_factor`` standard deviations of the noise of that comparison (from the spread of the
+    unpaced window medians before the trial); otherwise ``COOLDOWN`` for
     ``cooldown_windows``, multiplied by ``cooldown_growth`` for each further failed check in a row
     (bounded by ``max_cooldown_windows``; a kept check resets it). While kept, every
     ``probe_every_windows`` paced windows a ``PROBE`` of ``ab_windows`` unpaced windows refreshes
@@ -49,6 +51,7 @@ class PacingPolicy:
         self._failed_checks = 0  # failed A/B checks in a row (sets the length of the cool-down)
         self._cooldown_len = config.cooldown_windows
         self._baseline_ms: float | None = None
+        self._noise_ms = 0.0  # standard deviation of the A/B difference from noise alone
         self._last = self._decision(-1, "start: monitoring", zeros=True)
 
     @property
@@ -87,9 +90,7 @@ class PacingPolicy:
         if self.state is PolicyState.MONITOR:
             self._remember_unpaced(median)
             if self._severe_streak >= cfg.activate_windows:
-                self._baseline_ms = statistics.median(self._unpaced_medians[-cfg.ab_windows :])
-                self._paced_medians = []
-                self._paced_since_probe = 0
+                self._start_trial()
                 return self._set(
                     stats.window,
                     PolicyState.PACING,
@@ -110,7 +111,8 @@ class PacingPolicy:
                 paced = statistics.median(self._paced_medians)
                 base = self._baseline_ms if self._baseline_ms is not None else median
                 self._paced_medians = []
-                if paced > base * (1.0 - cfg.min_gain_fraction):
+                needed = max(cfg.min_gain_fraction * base, cfg.ab_noise_factor * self._noise_ms)
+                if base - paced < needed:
                     self._state_windows = 0
                     self._cooldown_len = self._next_cooldown()
                     self._failed_checks += 1
@@ -118,8 +120,10 @@ class PacingPolicy:
                         stats.window,
                         PolicyState.COOLDOWN,
                         f"A/B: paced {paced:.2f} ms vs unpaced {base:.2f} ms ({paced / base - 1:+.2%}); "
-                        f"no gain of {cfg.min_gain_fraction:.1%}: backing off for {self._cooldown_len} "
-                        f"windows (failed check {self._failed_checks} in a row)",
+                        f"no gain of {needed:.2f} ms ({cfg.min_gain_fraction:.1%} of the step, or "
+                        f"{cfg.ab_noise_factor:g} x the comparison's noise {self._noise_ms:.2f} ms): "
+                        f"backing off for {self._cooldown_len} windows (failed check "
+                        f"{self._failed_checks} in a row)",
                         zeros=True,
                         paced_ms=paced,
                     )
@@ -147,9 +151,7 @@ class PacingPolicy:
                 self._remember_unpaced(median)
                 self._state_windows += 1
             if self._state_windows >= cfg.ab_windows:
-                self._baseline_ms = statistics.median(self._unpaced_medians[-cfg.ab_windows :])
-                self._paced_medians = []
-                self._paced_since_probe = 0
+                self._start_trial()
                 return self._set(
                     stats.window,
                     PolicyState.PACING,
@@ -170,6 +172,18 @@ class PacingPolicy:
             f"cool-down {self._state_windows}/{self._cooldown_len}",
             zeros=True,
         )
+
+    def _start_trial(self) -> None:
+        """Fix the unpaced baseline and the noise of the coming A/B comparison; pacing starts."""
+        cfg = self.config
+        unpaced = self._unpaced_medians
+        self._baseline_ms = statistics.median(unpaced[-cfg.ab_windows :])
+        # Each side of the comparison is a median of ab_windows window medians: its difference has
+        # about sqrt(2 / ab_windows) times the spread of single windows when noise alone moves them.
+        spread = statistics.stdev(unpaced) if len(unpaced) >= 2 else 0.0
+        self._noise_ms = spread * math.sqrt(2.0 / cfg.ab_windows)
+        self._paced_medians = []
+        self._paced_since_probe = 0
 
     def _next_cooldown(self) -> int:
         """Length of the cool-down after one more failed check: grows geometrically, bounded."""

@@ -27,7 +27,7 @@ class Field(enum.IntEnum):
     STEP_MS = 6  #: wall time of the step on this rank (start -> after the optimizer step)
     DATA_MS = 7  #: time the training loop was blocked fetching this step's input (``add_data_wait``)
     GAP_MS = 8  #: previous step's collective completion -> this batch ready (optimizer, loop, input, ...)
-    BUCKETS = 9  #: gradient buckets (DDP) or collectives (FSDP) handed to the backend this step
+    BUCKETS = 9  #: buckets (DDP comm-hook monitor; 0: not timed) or collectives (FSDP) handed off
     HANDOFF_SPAN_MS = 10  #: first -> last hand-off (how far computation overlapped communication)
 
 

@@ -1,15 +1,25 @@
-"""A DDP communication hook that wraps any other hook: times the buckets and applies the pacing delay.
+"""How DDP's sync point is timed and paced: the grad-ready monitor (default) or a comm hook.
 
-It composes: the wrapped hook (a user's hook such as fp16 compression, or by default the mean
-all-reduce) does the communication and its result is returned unchanged, so pacing never changes the
-gradients. The hot path is one clock mark and an append per bucket. The default all-reduce is issued
-on the process group directly and needs one Python callback per bucket (to turn the work's tensor
-list into the tensor DDP expects), the last bucket's also marking completion. Measured, that costs
-less than wrapping torch's ``allreduce_hook`` and chaining a second callback (docs/overhead.md).
+:func:`attach_paced_ddp` picks one by ``PacingConfig.ddp_monitor``.
+
+The grad-ready monitor (:class:`GradReadyMonitor`) puts no Python on the communication path: one
+hook on the parameter whose gradient is ready first marks the arrival and applies the delay (before
+DDP can launch any bucket), and an autograd-engine callback marks completion once DDP has waited for
+every bucket. A user's comm hook is registered as it is.
+
+The comm hook (:func:`paced_comm_hook`) wraps any other hook and times every bucket. It composes:
+the wrapped hook (a user's hook such as fp16 compression, or by default the mean all-reduce) does the
+communication and its result is returned unchanged, so pacing never changes the gradients. Its hot
+path is one clock mark and an append per bucket; the default all-reduce is issued on the process
+group directly and needs one Python callback per bucket (to turn the work's tensor list into the
+tensor DDP expects), the last bucket's also marking completion. On a CPU-starved machine that
+Python on gloo's thread costs about as much as torch's own ``allreduce_hook`` (docs/overhead.md).
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the hook's annotations at run time.
 
+import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +30,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pace_strategy.core.pacer import Pacer
 
-__all__ = ["CommHook", "PacedHookState", "paced_comm_hook", "register_paced_hook"]
+__all__ = [
+    "CommHook",
+    "GradReadyMonitor",
+    "PacedHookState",
+    "attach_paced_ddp",
+    "paced_comm_hook",
+    "register_paced_hook",
+]
+
+log = logging.getLogger(__name__)
 
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
@@ -90,3 +109,100 @@ def register_paced_hook(
     state = PacedHookState(pacer=pacer, inner_hook=inner_hook, inner_state=inner_state)
     model.register_comm_hook(state=state, hook=paced_comm_hook)
     return state
+
+
+class GradReadyMonitor:
+    """Times and paces DDP's sync point with no Python on the communication path.
+
+    **Arrival** is the step's first gradient: a post-accumulate-grad hook, which autograd runs inside
+    the parameter's ``AccumulateGrad`` node before the node's post-hooks, among them DDP's, which
+    marks the gradient ready for its bucket. A bucket is launched only once all its gradients are
+    ready and buckets are launched in order, so the first gradient of a backward comes before any
+    collective: the pacing delay is applied there. **Completion**: that hook queues an autograd-engine
+    callback that queues a second one; the engine runs its callbacks in the order queued, also those
+    queued while they run, so the second runs after DDP's own end-of-backward callback (queued when
+    the last bucket became ready), which waits for every bucket's collective.
+
+    One parameter carries the hook: the last one that requires grad (DDP's own guess for the first
+    gradient). In the first ``warmup_steps`` synchronized backwards the monitor checks the guess: a
+    parameter that already holds a gradient when the hooked one fires (gradients are reset to
+    ``None`` between steps by ``zero_grad()``) came earlier and gets the hook too, so after warm-up
+    the hooked set holds the first gradient of a static graph. If a later step's graph differs, the
+    arrival can be marked at a later gradient (the delay then still precedes that gradient's bucket);
+    ``ddp_monitor: comm_hook`` times the buckets themselves.
+
+    Backwards inside ``no_sync`` (gradient accumulation) are ignored: DDP does not communicate there.
+    """
+
+    def __init__(self, model: DistributedDataParallel, pacer: Pacer) -> None:
+        self._model = model
+        self._pacer = pacer
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        if not self._params:
+            raise ValueError("GradReadyMonitor: the DDP model has no parameter that requires grad")
+        self._engine = torch.autograd.Variable._execution_engine
+        self._task = -1  # graph task of the backward whose first gradient was seen
+        self._checks = max(pacer.config.warmup_steps, 1)  # synchronized backwards left to check
+        self._hooked: set[int] = set()
+        self._hook(len(self._params) - 1)
+
+    @property
+    def hooked_parameters(self) -> tuple[int, ...]:
+        """Indices (into the model's parameters that require grad) of the parameters hooked."""
+        return tuple(sorted(self._hooked))
+
+    def _hook(self, index: int) -> None:
+        self._hooked.add(index)
+        self._params[index].register_post_accumulate_grad_hook(functools.partial(self._ready, index))
+
+    def _ready(self, index: int, param: torch.Tensor) -> None:
+        if not self._model.require_backward_grad_sync:
+            return  # a no_sync backward: no collective, not a sync point
+        task = torch._C._current_graph_task_id()
+        if task == self._task:
+            return  # a later hooked gradient of the same backward
+        self._task = task
+        if self._checks:
+            self._checks -= 1
+            self._check(index)
+        self._pacer.enter_sync(bucketed=False)
+        self._engine.queue_callback(self._queue_done)
+
+    def _check(self, index: int) -> None:
+        """Hook the parameters whose gradients were ready before this one (warm-up only)."""
+        hooked = self._hooked
+        earlier = [i for i, p in enumerate(self._params) if p.grad is not None and i not in hooked]
+        # Every other gradient already there: accumulated from a previous backward, not evidence.
+        if earlier and len(earlier) < len(self._params) - len(self._hooked):
+            for i in earlier:
+                self._hook(i)
+            log.debug("GradReadyMonitor: gradients %s came before %d; hooked too", earlier, index)
+
+    def _queue_done(self) -> None:
+        # Queued from the first gradient, so it runs before DDP's end-of-backward callback: queue
+        # the mark behind it.
+        self._engine.queue_callback(self._pacer.sync_done)
+
+
+def attach_paced_ddp(
+    model: DistributedDataParallel,
+    pacer: Pacer,
+    inner_hook: CommHook | None = None,
+    inner_state: Any = None,
+) -> GradReadyMonitor | PacedHookState:
+    """Monitor and pace a DDP model as ``pacer.config.ddp_monitor`` says; ``inner_hook`` (a user's comm
+    hook, with ``inner_state``) does the communication either way.
+
+    ``"grad_ready"`` (default): registers ``inner_hook`` on the model as it is, if given, and attaches
+    a :class:`GradReadyMonitor`. ``"comm_hook"``: registers :func:`paced_comm_hook` wrapping it.
+    """
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            f"attach_paced_ddp needs a torch.nn.parallel.DistributedDataParallel model, got "
+            f"{type(model).__name__}; wrap the model in DDP first."
+        )
+    if pacer.config.ddp_monitor == "comm_hook":
+        return register_paced_hook(model, pacer, inner_hook, inner_state)
+    if inner_hook is not None:
+        model.register_comm_hook(state=inner_state, hook=inner_hook)
+    return GradReadyMonitor(model, pacer)

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pace_strategy.core.config import PacingConfig, check_known_keys
 from pace_strategy.core.errors import PacingConfigError
-from pace_strategy.hooks.ddp import register_paced_hook
+from pace_strategy.hooks.ddp import attach_paced_ddp
 from pace_strategy.integrations.data import time_dataloader
 from pace_strategy.session import PacingSession
 
@@ -155,7 +155,7 @@ def attach_pacing(accelerator: Any, model: Any, config: PacingConfig | None = No
 
         register_paced_collectives(model, session.pacer)
     else:
-        register_paced_hook(model, session.pacer)
+        attach_paced_ddp(model, session.pacer)
 
     # A step begins when its first batch is ready (the timed dataloader), or, for a script that feeds
     # the model itself, at its first forward; it ends after the synchronizing optimizer step. So an

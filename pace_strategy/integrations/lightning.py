@@ -15,7 +15,7 @@ from typing import Any
 
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
-from pace_strategy.hooks.ddp import register_paced_hook
+from pace_strategy.hooks.ddp import attach_paced_ddp
 from pace_strategy.inject import Straggler, sleep_injected
 from pace_strategy.integrations.data import time_dataloader
 from pace_strategy.session import PacingSession
@@ -126,20 +126,21 @@ class _PacedBody:
 
 
 class _PacedDDPBody(_PacedBody):
-    """DDP: the pacing comm hook wraps the user's hook (or the default all-reduce)."""
+    """DDP: the monitor of ``ddp_monitor`` (see :func:`~pace_strategy.hooks.ddp.attach_paced_ddp`);
+    a user's ``ddp_comm_hook`` keeps doing the communication."""
 
     _ddp_comm_hook: Any
     _ddp_comm_state: Any
     _ddp_comm_wrapper: Any
 
     def _register_ddp_hooks(self) -> None:
-        # Stock DDPStrategy registers comm hooks on CUDA only and silently drops them on CPU; ours is
-        # registered on every device, wrapping the user's hook (or the default all-reduce).
+        # Stock DDPStrategy registers comm hooks on CUDA only and silently drops them on CPU; the
+        # user's hook is registered here on every device (wrapped by ours with ddp_monitor=comm_hook).
         inner_hook = self._ddp_comm_hook
         if inner_hook is not None and self._ddp_comm_wrapper is not None:
             inner_hook = self._ddp_comm_wrapper(inner_hook)
         session = self._start_session()
-        register_paced_hook(self.model, session.pacer, inner_hook, self._ddp_comm_state)
+        attach_paced_ddp(self.model, session.pacer, inner_hook, self._ddp_comm_state)
 
 
 class _PacedFSDPBody(_PacedBody):
@@ -261,7 +262,7 @@ def _make_strategy_classes(pl_module: str) -> tuple[Any, Any]:
         Args:
             pacing: a :class:`~pace_strategy.PacingConfig`, a mapping of its fields, or ``None`` for
                 the defaults. Every other argument is ``DDPStrategy``'s; a ``ddp_comm_hook`` is kept
-                and runs inside the pacing hook.
+                (registered on every device, CPU too) and does the communication.
         """
 
         strategy_name = "paced_ddp"

@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _run_benchmark(tmp_path, script, args):
-    """``benchmarks/SCRIPT ARGS`` writing into ``tmp_path``; returns the process, its one JSON row and
+def _invoke(tmp_path, script, args):
+    """``benchmarks/SCRIPT ARGS`` writing into ``tmp_path``; returns the process, its JSON result and
     the Markdown table."""
     out_json, out_md = tmp_path / "out.json", tmp_path / "out.md"
     done = subprocess.run(
@@ -31,8 +31,14 @@ def _run_benchmark(tmp_path, script, args):
         timeout=220,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    (row,) = json.loads(out_json.read_text())["rows"]
-    return done, row, out_md.read_text()
+    return done, json.loads(out_json.read_text()), out_md.read_text()
+
+
+def _run_benchmark(tmp_path, script, args):
+    """As :func:`_invoke`, for a benchmark of one scenario: the process, its one row, the table."""
+    done, result, table = _invoke(tmp_path, script, args)
+    (row,) = result["rows"]
+    return done, row, table
 
 
 def _smoke_run(tmp_path, scenario, steps=40):
@@ -93,10 +99,25 @@ def test_interleaved_benchmark_trains_all_three_arms_to_the_same_weights(tmp_pat
     assert "| persistent |" in table and "Python hook/plain" in table
 
 
-def test_interleaved_benchmark_can_take_the_cpp_comm_hook_as_the_middle_arm(tmp_path):
-    """``--hook builtin``: DDP's C++ all-reduce hook, the comm-hook path without Python, same bits."""
+def test_interleaved_benchmark_can_take_the_cpp_comm_hook_and_the_comm_hook_monitor(tmp_path):
+    """``--hook builtin``: DDP's C++ all-reduce hook, the comm-hook path without Python, in the middle;
+    ``--variant comm-hook``: the paced arm timed by the pacing comm hook. Same bits everywhere."""
     args = ["--ranks", "2", "--steps", "20", "--skip", "4", "--blocks", "2", "--scenarios", "clean"]
-    _, row, table = _run_benchmark(tmp_path, "pacing_interleaved.py", [*args, "--hook", "builtin"])
+    args += ["--hook", "builtin", "--variant", "comm-hook"]
+    _, row, table = _run_benchmark(tmp_path, "pacing_interleaved.py", args)
     assert row["hook"] == "builtin" and 0.5 < row["hook_ratio"] < 2.0
+    assert row["variant"] == "comm-hook" and 0.5 < row["throughput_ratio"] < 2.0
     assert row["max_weight_difference"] == 0.0
     assert "C++ hook/plain" in table
+
+
+def test_monitor_cost_benchmark_times_every_arm_on_every_rank(tmp_path):
+    args = ["--steps", "30", "--skip", "6", "--blocks", "2"]
+    _, result, table = _invoke(tmp_path, "monitor_cost.py", args)
+    assert result["max_weight_difference"] == 0.0  # no monitor changes a bit of the model
+    assert len(result["ranks"]) == 2
+    for rows in result["ranks"]:
+        assert [r["arm"] for r in rows] == ["plain", "python_hook", "comm_hook", "grad_ready"]
+        assert all(r["wall_us"] > 100.0 and r["cpu_us"] > 0.0 for r in rows)  # a real step, timed
+        assert rows[0]["wall_over_plain_us"] == 0.0
+    assert "| 1 | grad_ready |" in table

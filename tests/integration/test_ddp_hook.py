@@ -1,14 +1,17 @@
-"""The comm-hook wrapper on a bare torch DDP loop, two real processes (gloo, file store).
+"""Both DDP monitors on a bare torch DDP loop, two real processes (gloo, file store).
 
-It must compose over a user's hook: paced (with delays forced on) and unpaced runs of DDP with
-torch's fp16-compression hook end with bit-identical weights, and the wrapped hook really ran. With
-no user hook, the pacing hook's own all-reduce over several buckets gives the bits of DDP's built-in
-reduction.
+Each must compose with a user's hook: paced (with delays forced on) and unpaced runs of DDP with
+torch's fp16-compression hook end with bit-identical weights, and the user's hook really ran. With
+no user hook, paced DDP over several buckets gives the bits of DDP's built-in reduction. The
+grad-ready monitor's marks are checked against the buckets themselves: arrival before the first
+bucket's hand-off, completion after the straggler's collective, ``no_sync`` backwards ignored, and
+the hook moved to the gradient that really comes first.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import time
 import traceback
@@ -25,14 +28,8 @@ WORLD = 2
 STEPS = 12
 
 
-def _train(rank: int, store_path: str, out_dir: str, paced: bool, user_hook: bool) -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from pace_strategy import Pacer, PacingConfig, register_paced_hook
-    from pace_strategy.core.records import Field
-    from pace_strategy.session import side_group
-
+def _rank_main(rank: int, store_path: str, out_dir: str, body, *args) -> None:
+    """One rank: a gloo group on the file store, ``body(rank, out_dir, *args)``, a joint teardown."""
     stacks = open(os.path.join(out_dir, f"stacks{rank}.txt"), "w")  # noqa: SIM115 (open for the process)
     faulthandler.dump_traceback_later(60, file=stacks)  # a hang leaves its stack for the test to show
     try:
@@ -44,64 +41,11 @@ def _train(rank: int, store_path: str, out_dir: str, paced: bool, user_hook: boo
             world_size=WORLD,
             timeout=timedelta(seconds=60),
         )
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-        # 0.5 KB buckets: from the second step (DDP rebuilds its buckets after the first) the layers
-        # take two, so the hook's first-bucket and last-bucket paths run on different buckets.
-        model = DDP(net, bucket_cap_mb=None if user_hook else 0.0005)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        calls = {"fp16": 0}
-
-        def counting_fp16(state, bucket):
-            calls["fp16"] += 1
-            return default_hooks.fp16_compress_hook(state, bucket)
-
-        pacer = None
-        if paced:
-            cfg = PacingConfig(
-                exchange_timeout_s=60.0,
-                mode="forced",
-                exchange_every_steps=2,
-                warmup_steps=1,
-                max_delay_step_fraction=0.5,
-                persist_fraction=0.5,
-            )
-            pacer = Pacer(cfg, side_group(cfg), rank, WORLD)
-            register_paced_hook(model, pacer, counting_fp16 if user_hook else None, None)
-        elif user_hook:
-            model.register_comm_hook(None, counting_fp16)
-        g = torch.Generator().manual_seed(100 + rank)
-        delays = []
-        buckets = []  # per window: the most buckets any rank's step handed off
-        for step in range(STEPS):
-            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-            if pacer is not None:
-                pacer.begin_step(step)
-            if rank == 1:
-                time.sleep(0.03)  # rank 1 is 30 ms slower
-            torch.nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            if pacer is not None:
-                result = pacer.end_step()
-                delays.append(pacer.delay_ms)
-                if result is not None:
-                    buckets.append(int(result.gathered[:, :, Field.BUCKETS].max()))
-        if pacer is not None:
-            pacer.flush()
-        if rank == 0:
-            torch.save(
-                {
-                    "state": model.module.state_dict(),
-                    "fp16_calls": calls["fp16"],
-                    "delays": delays,
-                    "buckets": buckets,
-                },
-                os.path.join(out_dir, f"{'paced' if paced else 'plain'}.pt"),
-            )
-        # Drop every reference to DDP and the pacer's side group before tearing the groups down,
-        # and tear down together: a gloo group freed while its peer is still using it can block.
-        del model, pacer
+        body(rank, out_dir, *args)
+        # body's DDP model and the pacer's side group are unreachable now (the grad-ready monitor's
+        # hooks make a cycle: collect it); tear down together: a gloo group freed while its peer is
+        # still using it can block.
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
@@ -110,11 +54,147 @@ def _train(rank: int, store_path: str, out_dir: str, paced: bool, user_hook: boo
         raise
 
 
-def _run(tmp_path, paced: bool, user_hook: bool = True) -> dict:
-    out = tmp_path / ("paced" if paced else "plain")
-    out.mkdir()
-    args = (str(out / "store"), str(out), paced, user_hook)
-    ctx = mp.start_processes(_train, args=args, nprocs=WORLD, join=False, start_method="spawn")
+def _train(rank: int, out_dir: str, paced: bool, user_hook: bool, monitor: str) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from pace_strategy import Pacer, PacingConfig, attach_paced_ddp
+    from pace_strategy.core.records import Field
+    from pace_strategy.session import side_group
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    # 0.5 KB buckets: from the second step (DDP rebuilds its buckets after the first) the layers
+    # take two, so the hook's first-bucket and last-bucket paths run on different buckets.
+    model = DDP(net, bucket_cap_mb=None if user_hook else 0.0005)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = {"fp16": 0}
+
+    def counting_fp16(state, bucket):
+        calls["fp16"] += 1
+        return default_hooks.fp16_compress_hook(state, bucket)
+
+    pacer = None
+    if paced:
+        cfg = PacingConfig(
+            ddp_monitor=monitor,
+            exchange_timeout_s=60.0,
+            mode="forced",
+            exchange_every_steps=2,
+            warmup_steps=1,
+            max_delay_step_fraction=0.5,
+            persist_fraction=0.5,
+        )
+        pacer = Pacer(cfg, side_group(cfg), rank, WORLD)
+        attach_paced_ddp(model, pacer, counting_fp16 if user_hook else None, None)
+    elif user_hook:
+        model.register_comm_hook(None, counting_fp16)
+    g = torch.Generator().manual_seed(100 + rank)
+    delays = []
+    buckets = []  # per window: the most buckets any rank's step handed off
+    for step in range(STEPS):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        if pacer is not None:
+            pacer.begin_step(step)
+        if rank == 1:
+            time.sleep(0.03)  # rank 1 is 30 ms slower
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if pacer is not None:
+            result = pacer.end_step()
+            delays.append(pacer.delay_ms)
+            if result is not None:
+                buckets.append(int(result.gathered[:, :, Field.BUCKETS].max()))
+    if pacer is not None:
+        pacer.flush()
+    if rank == 0:
+        torch.save(
+            {
+                "state": model.module.state_dict(),
+                "fp16_calls": calls["fp16"],
+                "delays": delays,
+                "buckets": buckets,
+            },
+            os.path.join(out_dir, f"{'paced' if paced else 'plain'}.pt"),
+        )
+
+
+class _Net(torch.nn.Module):
+    """The head is declared first but used last: the last parameter (DDP's guess for the first
+    gradient, where the monitor's hook starts) is not the first gradient of backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(32, 4)
+        self.body = torch.nn.Linear(16, 32)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+def _measure(rank: int, out_dir: str) -> None:
+    """Monitor only, grad-ready: rank 1 is 30 ms late; from step 3 each step accumulates one
+    ``no_sync`` micro-batch, then sleeps 40 ms, then synchronizes."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from pace_strategy import Pacer, PacingConfig, attach_paced_ddp
+    from pace_strategy.session import side_group
+
+    torch.manual_seed(0)
+    model = DDP(_Net(), bucket_cap_mb=0.0005)  # several buckets
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handoffs: list[int] = []
+
+    def recording_allreduce(state, bucket):  # a user hook: the mean all-reduce, hand-offs noted
+        handoffs.append(time.perf_counter_ns())
+        tensor = bucket.buffer().div_(WORLD)
+        return dist.all_reduce(tensor, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    class NotingPacer(Pacer):
+        def enter_sync(self, bucketed: bool = True) -> None:
+            self.entered = time.perf_counter_ns()
+            super().enter_sync(bucketed)
+
+    cfg = PacingConfig(mode="monitor", exchange_timeout_s=60.0, exchange_every_steps=4, warmup_steps=3)
+    pacer = NotingPacer(cfg, side_group(cfg), rank, WORLD)
+    monitor = attach_paced_ddp(model, pacer, recording_allreduce, None)
+    g = torch.Generator().manual_seed(100 + rank)
+    arrival_first = []  # per step: the monitor's arrival came before the first bucket's hand-off
+    windows = []
+    for step in range(STEPS):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        pacer.begin_step(step)
+        if rank == 1:
+            time.sleep(0.03)
+        if step >= 3:
+            with model.no_sync():
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            time.sleep(0.04)
+        handoffs.clear()
+        pacer.entered = 0
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        arrival_first.append(0 < pacer.entered <= handoffs[0])
+        opt.step()
+        opt.zero_grad()
+        result = pacer.end_step()
+        if result is not None:
+            windows.append(result.gathered)
+    windows += [r.gathered for r in pacer.flush()]
+    from pace_strategy.core.records import Field
+
+    gathered = torch.cat(windows, 1)  # [rank, step, field], the same on every rank
+    columns = {
+        f.name: gathered[:, :, f] for f in (Field.VALID, Field.BUCKETS, Field.WAIT_MS, Field.COMPUTE_MS)
+    }
+    result = {"arrival_first": arrival_first, "hooked": monitor.hooked_parameters, **columns}
+    torch.save(result, os.path.join(out_dir, f"measure{rank}.pt"))
+
+
+def _spawn(fn, out, *args) -> None:
+    """Run ``fn(rank, store, out, *args)`` on WORLD processes; a hang or error shows the ranks' stacks."""
+    args = (str(out / "store"), str(out), fn, *args)
+    ctx = mp.start_processes(_rank_main, args=args, nprocs=WORLD, join=False, start_method="spawn")
     deadline = time.monotonic() + 90
     try:
         while not ctx.join(timeout=5):
@@ -126,22 +206,52 @@ def _run(tmp_path, paced: bool, user_hook: bool = True) -> dict:
     except mp.ProcessRaisedException as error:
         errors = [p.read_text() for p in sorted(out.glob("error*.txt"))]
         raise AssertionError("\n".join(errors) or str(error)) from error
+
+
+def _run(tmp_path, paced: bool, user_hook: bool = True, monitor: str = "grad_ready") -> dict:
+    out = tmp_path / ("paced" if paced else "plain")
+    out.mkdir()
+    _spawn(_train, out, paced, user_hook, monitor)
     return torch.load(out / f"{'paced' if paced else 'plain'}.pt")
 
 
-def test_wrapped_user_hook_runs_and_weights_match_unpaced(tmp_path):
+@pytest.mark.parametrize("monitor", ["grad_ready", "comm_hook"])
+def test_user_hook_runs_and_weights_match_unpaced(tmp_path, monitor):
     plain = _run(tmp_path, paced=False)
-    paced = _run(tmp_path, paced=True)
+    paced = _run(tmp_path, paced=True, monitor=monitor)
     assert paced["fp16_calls"] == plain["fp16_calls"] >= STEPS  # the user's hook ran inside ours
     assert max(paced["delays"]) > 1.0, f"no delay was applied: {paced['delays']}"
     for key, value in plain["state"].items():
         assert torch.equal(value, paced["state"][key]), key
 
 
-def test_default_all_reduce_over_several_buckets_matches_ddps_own_bits(tmp_path):
+@pytest.mark.parametrize("monitor", ["grad_ready", "comm_hook"])
+def test_paced_over_several_buckets_matches_ddps_own_bits(tmp_path, monitor):
     plain = _run(tmp_path, paced=False, user_hook=False)  # DDP's built-in reduction, no hook
-    paced = _run(tmp_path, paced=True, user_hook=False)  # the pacing hook's own all-reduce
-    assert min(paced["buckets"]) > 1, paced["buckets"]  # really several buckets per step
+    # grad_ready: DDP's built-in reduction under the monitor; comm_hook: the pacing hook's all-reduce
+    paced = _run(tmp_path, paced=True, user_hook=False, monitor=monitor)
+    if monitor == "comm_hook":
+        assert min(paced["buckets"]) > 1, paced["buckets"]  # really several buckets per step
+    else:
+        assert set(paced["buckets"]) == {0}, paced["buckets"]  # buckets are not timed
     assert max(paced["delays"]) > 1.0, f"no delay was applied: {paced['delays']}"
     for key, value in plain["state"].items():
         assert torch.equal(value, paced["state"][key]), key
+
+
+def test_grad_ready_marks_arrival_before_the_buckets_and_completion_after_the_straggler(tmp_path):
+    _spawn(_measure, tmp_path)
+    runs = [torch.load(tmp_path / f"measure{r}.pt") for r in range(WORLD)]
+    for run in runs:
+        assert all(run["arrival_first"]), run["arrival_first"]  # before any collective, every step
+        # the hook moved to the head, whose gradients come first; the guess (body.bias, 3) stays
+        assert run["hooked"][-1] == 3 and set(run["hooked"]) & {0, 1}, run["hooked"]
+    g = runs[0]
+    assert torch.equal(g["WAIT_MS"], runs[1]["WAIT_MS"])  # one exchanged window, seen alike
+    assert bool((g["VALID"] == 1).all()) and bool((g["BUCKETS"] == 0).all())
+    post = slice(3, STEPS)  # past warm-up, each with a no_sync micro-batch and 40 ms before the sync
+    wait, compute = g["WAIT_MS"][:, post], g["COMPUTE_MS"][:, post]
+    # completion is marked after DDP waited for the collective: rank 0 waits for rank 1's 30 ms
+    assert float(wait[0].median()) >= 20.0 and float(wait[1].median()) < 10.0, wait
+    # the no_sync backward is not the sync point: the 40 ms before the synchronizing one is compute
+    assert bool((compute >= 40.0).all()), compute

@@ -29,11 +29,11 @@ def test_paced_ddp_telemetry_names_the_injected_straggler(tmp_path):
     assert sum(r == 1.0 for r in stragglers) / len(post) >= 0.9, stragglers
     median_skew = statistics.median(scalars["pace/skew_ms"][s] for s in post)
     assert abs(median_skew - 40.0) <= 0.3 * 40.0, median_skew
-    # the comm hook really fired: every post-warm-up step saw its sync point and its buckets
+    # the grad-ready monitor (the default) saw every step's sync point; it does not time buckets
     record = read_run_record(log_dir)
     assert record.end["status"] == "completed"
     assert [s["step"] for s in record.steps] == list(range(60))
-    assert all(s["valid"] and s["buckets"] >= 1 for s in record.steps)
+    assert all(s["valid"] and s["buckets"] == 0 for s in record.steps)
     assert [t["rank"] for t in record.header["topology"]] == [0, 1]
     assert [t["local_rank"] for t in record.header["topology"]] == [0, 1]
     # the demo's own summary table

@@ -21,6 +21,7 @@ def test_defaults_are_valid_and_documented():
         ({"gain": 1.5}, "gain", "<= 1"),
         ({"gain": 0.0}, "gain", "> 0"),
         ({"mode": "fast"}, "mode", "'adaptive'"),
+        ({"ddp_monitor": "buckets"}, "ddp_monitor", "'grad_ready', 'comm_hook'"),
         ({"max_delay_ms": float("nan")}, "max_delay_ms", "finite"),
         ({"warmup_steps": True}, "warmup_steps", "an integer"),
         ({"cooldown_growth": 0.5}, "cooldown_growth", ">= 1"),

@@ -41,6 +41,22 @@ def test_measures_each_duration_of_the_step():
     assert window.summaries[0].warmup and not window.summaries[1].warmup
 
 
+def test_grad_ready_path_measures_the_same_durations_without_buckets():
+    clock = ManualClock()
+    pacer = Pacer(PacingConfig(exchange_every_steps=2, warmup_steps=0), None, 0, 1, clock)
+    for step in range(3):
+        pacer.begin_step(step)
+        clock.advance(30.0)
+        pacer.enter_sync(bucketed=False)  # the step's first gradient
+        clock.advance(5.0)
+        pacer.sync_done()  # after DDP waited for every bucket
+        clock.advance(1.0)
+        window = pacer.end_step()
+    assert window is not None
+    s = window.summaries[0]
+    assert s.valid and s.compute_ms == (30.0,) and s.wait_ms == (5.0,) and s.buckets == 0
+
+
 def test_forced_mode_applies_the_delay_before_the_first_bucket_only():
     clock = ManualClock()
     cfg = PacingConfig(mode="forced", exchange_every_steps=2, warmup_steps=0)

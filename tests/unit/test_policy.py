@@ -198,3 +198,28 @@ def test_fixed_cooldown_with_growth_one():
         i, n = _cooldown_length(policy, _fail_one_check(policy, i, cfg))
         lengths.append(n)
     assert lengths == [3, 3, 3]
+
+
+def test_a_gain_within_the_runs_own_noise_is_a_failed_check():
+    # Unpaced windows of 98, 102, 100 ms (standard deviation 2 ms; baseline: the last two, 101 ms).
+    # Two paced windows of 99.5 ms gain 1.5%: more than min_gain_fraction (0.5%) but within the
+    # comparison's noise (1 x 2 ms), so the check fails; with the noise rule off it is kept.
+    for factor, kept in ((1.0, False), (0.0, True)):
+        cfg = PacingConfig(activate_windows=3, ab_windows=2, ab_noise_factor=factor)
+        policy = PacingPolicy(cfg, 2)
+        feed(policy, [window(i, [30.0, 0.0], step_ms=m) for i, m in enumerate([98.0, 102.0, 100.0])])
+        assert policy.state is PolicyState.PACING
+        d = feed(policy, [window(3 + i, [30.0, 0.0], step_ms=99.5) for i in range(2)])[-1]
+        assert d.baseline_step_ms == 101.0 and d.paced_step_ms == 99.5
+        if kept:
+            assert d.state is not PolicyState.COOLDOWN and "kept" in d.reason, d.reason
+        else:
+            assert d.state is PolicyState.COOLDOWN and "noise 2.00 ms" in d.reason, d.reason
+
+
+def test_a_gain_beyond_the_noise_is_kept():
+    cfg = PacingConfig(activate_windows=3, ab_windows=2, ab_noise_factor=1.0)
+    policy = PacingPolicy(cfg, 2)
+    feed(policy, [window(i, [30.0, 0.0], step_ms=m) for i, m in enumerate([98.0, 102.0, 100.0])])
+    d = feed(policy, [window(3 + i, [30.0, 0.0], step_ms=97.0) for i in range(2)])[-1]
+    assert d.state is PolicyState.PACING and "kept" in d.reason, d.reason  # 4 ms > 2 ms of noise
