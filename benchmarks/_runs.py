@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +45,16 @@ def run_demo(
 def transient_spec(ranks: int, ms: int = 30, probability: float = 0.1) -> str:
     """The ``--straggler`` spec of transient stragglers: every rank ``+ms`` with ``probability`` per step."""
     return ",".join(f"{r}:{ms}:{probability}" for r in range(ranks))
+
+
+def blocked(
+    base: list[float], arm: list[float], blocks: int, stat: Callable[[list[float], list[float]], float]
+) -> tuple[float, float, list[float]]:
+    """``stat(base, arm)`` over all steps, its standard error over ``blocks`` consecutive blocks of
+    steps (the spread of ``stat`` per block), and the per-block values."""
+    size = len(base) // blocks
+    values = [stat(base[i * size : (i + 1) * size], arm[i * size : (i + 1) * size]) for i in range(blocks)]
+    return stat(base, arm), statistics.stdev(values) / math.sqrt(blocks), values
 
 
 def write_results(out: str, markdown_path: str, table: str, result: dict[str, Any]) -> None:

@@ -28,7 +28,6 @@ import argparse
 import copy
 import gc
 import json
-import math
 import os
 import statistics
 import sys
@@ -40,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _runs import provenance, write_results
+from _runs import blocked, provenance, write_results
 
 ARMS = ("plain", "python_hook", "comm_hook", "grad_ready")
 
@@ -106,12 +105,8 @@ def _worker(rank: int, ranks: int, steps: int, store: str, out: str) -> None:
 
 def _difference(base: list[float], arm: list[float], blocks: int) -> tuple[float, float]:
     """Mean of ``arm - base`` per step and its standard error over ``blocks`` consecutive blocks."""
-    size = len(base) // blocks
-    means = [
-        statistics.fmean(arm[i * size : (i + 1) * size]) - statistics.fmean(base[i * size : (i + 1) * size])
-        for i in range(blocks)
-    ]
-    return statistics.fmean(arm) - statistics.fmean(base), statistics.stdev(means) / math.sqrt(blocks)
+    mean, error, _ = blocked(base, arm, blocks, lambda b, a: statistics.fmean(a) - statistics.fmean(b))
+    return mean, error
 
 
 def summarize(raw: dict[str, Any], skip: int, blocks: int) -> list[dict[str, Any]]:

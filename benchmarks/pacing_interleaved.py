@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import statistics
 import sys
@@ -48,7 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _runs import provenance, transient_spec, write_results
+from _runs import blocked, provenance, transient_spec, write_results
 
 #: name -> (straggler spec of pace_strategy.inject, what it is, candidate arm)
 SCENARIOS: dict[str, tuple[str, str, str]] = {
@@ -203,11 +202,7 @@ def run(job: Job) -> dict[str, Any]:
 def throughput_ratio(base: list[float], arm: list[float], blocks: int) -> tuple[float, float, list[float]]:
     """Throughput of ``arm`` over ``base`` (summed step times), its standard error over ``blocks``
     consecutive blocks, and the block ratios."""
-    size = len(base) // blocks
-    block_ratios = [
-        sum(base[i * size : (i + 1) * size]) / sum(arm[i * size : (i + 1) * size]) for i in range(blocks)
-    ]
-    return sum(base) / sum(arm), statistics.stdev(block_ratios) / math.sqrt(blocks), block_ratios
+    return blocked(base, arm, blocks, lambda b, a: sum(b) / sum(a))
 
 
 def summarize(
