@@ -30,7 +30,7 @@ def run_demo(
     args += ["--step-times", str(times_path), *demo_args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if fabric is None:
-        cmd = [sys.executable, "-m", "pace_strategy.demo", *args]
+        cmd = [sys.executable, "-m", "pace_strategy", "demo", *args]
         done = [subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)]
     else:  # a fresh port per run: the last run's store socket may still be in TIME_WAIT
         done = testbed.run_on_nodes(fabric, args, env=env, port=29520 + index % 400, timeout_s=900)

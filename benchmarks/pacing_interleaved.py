@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _runs import blocked, provenance, transient_spec, write_results
 
-#: name -> (straggler spec of pace_strategy.inject, what it is, candidate arm)
+#: name -> (straggler spec of pace_strategy.testing, what it is, candidate arm)
 SCENARIOS: dict[str, tuple[str, str, str]] = {
     "control": ("", "candidate is plain DDP too, no injection: the ruler's own error", "plain"),
     "clean": ("", "no injection", "paced"),
@@ -90,12 +90,13 @@ def _worker(rank: int, job: Job) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.tensorboard import SummaryWriter
 
+    from pace_strategy.apps.job import build_net
+    from pace_strategy.apps.recipes import ModelRecipe
     from pace_strategy.core import PacingConfig
-    from pace_strategy.demo import demo_net
     from pace_strategy.hooks.ddp import attach_paced_ddp
-    from pace_strategy.inject import parse_stragglers, sleep_injected
     from pace_strategy.session import PacingSession
     from pace_strategy.telemetry.run_record import read_run_record
+    from pace_strategy.testing import parse_stragglers, sleep_injected
 
     torch.set_num_threads(1)
     store = dist.FileStore(job.store, job.ranks)
@@ -105,7 +106,7 @@ def _worker(rank: int, job: Job) -> None:
     spec, _, candidate = SCENARIOS[job.scenario]
     stragglers = parse_stragglers(spec)
     torch.manual_seed(0)
-    base = demo_net(256)  # the demo's MLP at its default width
+    base = build_net(ModelRecipe(width=256, depth=2))  # the demo's MLP at its default width
     models = {arm: DDP(copy.deepcopy(base)) for arm in ARMS}
     opts = {arm: torch.optim.SGD(m.parameters(), lr=0.05) for arm, m in models.items()}
     if job.hook == "python":  # the floor of any hook-based monitor: torch's own Python all-reduce hook

@@ -1,81 +1,98 @@
 """pace_strategy: barrier-arrival skew monitoring and adaptive pacing for synchronous data-parallel training.
 
 ``import pace_strategy`` registers the ``paced_ddp``, ``paced_ddp_spawn`` and ``paced_fsdp`` Lightning
-strategies (in ``lightning.pytorch`` and, when installed, ``pytorch_lightning``).
+strategies (in ``lightning.pytorch`` and, when installed, ``pytorch_lightning``) as soon as Lightning is
+imported, before or after this package. Nothing heavy is imported here: every public name below is
+loaded on first use, so the ``pace`` CLI, ``pace diagnose`` and ``pace simulate`` start without
+Lightning or Accelerate.
 """
 
 from __future__ import annotations
 
-import contextlib
+from typing import TYPE_CHECKING
 
+from pace_strategy._imports import lazy_attributes, when_imported
 from pace_strategy._version import __version__
-from pace_strategy.core import (
-    Decision,
-    PaceDistributedError,
-    Pacer,
-    PaceTimeoutError,
-    PacingConfig,
-    PacingConfigError,
-    PacingPolicy,
-    PolicyState,
-    StepSummary,
-    WindowResult,
-)
-from pace_strategy.hooks import (
-    GradReadyMonitor,
-    PacedHookState,
-    attach_paced_ddp,
-    paced_comm_hook,
-    register_paced_hook,
-)
-from pace_strategy.inject import Straggler
-from pace_strategy.integrations.accelerate import PacingHandle, attach_pacing
-from pace_strategy.session import PacingSession
-from pace_strategy.telemetry import RunRecord, read_run_record, summarize
 
-# A torch without FSDP2 custom collectives: everything but paced FSDP works.
-with contextlib.suppress(ImportError):
-    from pace_strategy.hooks.fsdp import auto_shard, register_paced_collectives
-
-__all__ = [
-    "Decision",
-    "GradReadyMonitor",
-    "InjectStraggler",
-    "PaceDistributedError",
-    "PaceTimeoutError",
-    "PacedDDPStrategy",
-    "PacedFSDPStrategy",
-    "PacedHookState",
-    "Pacer",
-    "PacingConfig",
-    "PacingConfigError",
-    "PacingHandle",
-    "PacingPolicy",
-    "PacingSession",
-    "PolicyState",
-    "RunRecord",
-    "StepSummary",
-    "Straggler",
-    "WindowResult",
-    "__version__",
-    "attach_paced_ddp",
-    "attach_pacing",
-    "auto_shard",
-    "paced_comm_hook",
-    "read_run_record",
-    "register_paced_collectives",
-    "register_paced_hook",
-    "summarize",
-]
-
-try:
-    from pace_strategy.integrations.lightning import (
-        InjectStraggler,
-        PacedDDPStrategy,
-        PacedFSDPStrategy,
-        register_lightning_strategies,
+if TYPE_CHECKING:
+    from pace_strategy.core import (
+        Decision,
+        PaceDistributedError,
+        Pacer,
+        PaceTimeoutError,
+        PacingConfig,
+        PacingConfigError,
+        PacingPolicy,
+        PolicyState,
+        StepSummary,
+        WindowResult,
     )
-except ImportError:  # Lightning is optional for the core; the strategies need it
-    pass
-else:
+    from pace_strategy.hooks import (
+        GradReadyMonitor,
+        PacedHookState,
+        attach_paced_ddp,
+        paced_comm_hook,
+        register_paced_hook,
+    )
+    from pace_strategy.hooks.fsdp import auto_shard, register_paced_collectives
+    from pace_strategy.integrations.accelerate import PacingHandle, attach_pacing
+    from pace_strategy.integrations.lightning import PacedDDPStrategy, PacedFSDPStrategy
+    from pace_strategy.session import PacingSession
+    from pace_strategy.telemetry import RunRecord, read_run_record, summarize
+
+#: public name -> the module that defines it (imported on first access)
+_WHERE = {
+    **dict.fromkeys(
+        (
+            "Decision",
+            "PaceDistributedError",
+            "PaceTimeoutError",
+            "Pacer",
+            "PacingConfig",
+            "PacingConfigError",
+            "PacingPolicy",
+            "PolicyState",
+            "StepSummary",
+            "WindowResult",
+        ),
+        "pace_strategy.core",
+    ),
+    **dict.fromkeys(
+        ("GradReadyMonitor", "PacedHookState", "attach_paced_ddp", "paced_comm_hook", "register_paced_hook"),
+        "pace_strategy.hooks",
+    ),
+    "auto_shard": "pace_strategy.hooks.fsdp",
+    "register_paced_collectives": "pace_strategy.hooks.fsdp",
+    "PacingHandle": "pace_strategy.integrations.accelerate",
+    "attach_pacing": "pace_strategy.integrations.accelerate",
+    "PacedDDPStrategy": "pace_strategy.integrations.lightning",
+    "PacedFSDPStrategy": "pace_strategy.integrations.lightning",
+    "PacingSession": "pace_strategy.session",
+    "RunRecord": "pace_strategy.telemetry",
+    "read_run_record": "pace_strategy.telemetry",
+    "summarize": "pace_strategy.telemetry",
+}
+
+__all__ = sorted([*_WHERE, "__version__"])
+
+__getattr__ = lazy_attributes(__name__, _WHERE)
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+def _register_lightning() -> None:
+    from pace_strategy.integrations.lightning import register_lightning_strategies
+
     register_lightning_strategies()
+
+
+def _register_pytorch_lightning() -> None:
+    from pace_strategy.integrations.pytorch_lightning import register_pytorch_lightning_strategies
+
+    register_pytorch_lightning_strategies()
+
+
+when_imported("lightning.pytorch", _register_lightning)
+when_imported("pytorch_lightning", _register_pytorch_lightning)

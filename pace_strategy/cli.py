@@ -1,8 +1,10 @@
-"""The ``pace`` command: ``pace demo``, ``diagnose``, ``simulate``, ``launch`` and ``testbed``."""
+"""The ``pace`` command: dispatches ``demo``, ``diagnose``, ``simulate``, ``launch`` and ``testbed`` to
+the module that owns each, imported only when that command runs (``pace --help`` imports none)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -10,50 +12,47 @@ from collections.abc import Sequence
 
 from pace_strategy._version import __version__
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "main"]
+
+#: command -> (module whose ``main(argv) -> int`` runs it, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("pace_strategy.apps.demo", "multi-process CPU training with an injected straggler"),
+    "diagnose": ("pace_strategy.diagnose.command", "name the failure mode of a recorded run, with plots"),
+    "simulate": ("pace_strategy.sim.command", "what-if simulator from 4 to 1,024+ nodes"),
+    "launch": (
+        "pace_strategy.integrations.accelerate.launch",
+        "accelerate launch with a pacing_config: section",
+    ),
+    "testbed": ("pace_strategy.testbed.command", "emulated two-rack cluster in network namespaces (root)"),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="pace", description="pace_strategy: skew monitoring and pacing.")
-    parser.add_argument("--version", action="version", version=f"pace_strategy {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("demo", help="multi-process CPU training with an injected straggler", add_help=False)
-    sub.add_parser("diagnose", help="name the failure mode of a recorded run, with plots", add_help=False)
-    sub.add_parser("simulate", help="what-if simulator from 4 to 1,024+ nodes", add_help=False)
-    sub.add_parser("launch", help="accelerate launch with a pacing_config: section", add_help=False)
-    sub.add_parser("testbed", help="emulated two-rack cluster in network namespaces (root)", add_help=False)
-    if not argv or argv[0] not in ("demo", "diagnose", "simulate", "launch", "testbed"):
+    if not argv or argv[0] not in COMMANDS:
+        parser = argparse.ArgumentParser(
+            prog="pace", description="pace_strategy: skew monitoring and pacing."
+        )
+        parser.add_argument("--version", action="version", version=f"pace_strategy {__version__}")
+        sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+        for name, (_, help_text) in COMMANDS.items():
+            sub.add_parser(name, help=help_text, add_help=False)
         parser.parse_args(argv or ["--help"])
         return 2
-    level = os.environ.get("PACE_LOG_LEVEL", "WARNING").upper()
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("pace_strategy").setLevel(level)
-    from pace_strategy.core.errors import PacingConfigError
+    _configure_logging(os.environ.get("PACE_LOG_LEVEL", "WARNING").upper())
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    status: int = module.main(argv[1:])
+    return status
 
-    if argv[0] == "launch":
-        from pace_strategy import launch
 
-        return launch.main(argv[1:])
-    if argv[0] == "testbed":
-        from pace_strategy import testbed
-
-        return testbed.main(argv[1:])
-    if argv[0] == "simulate":
-        from pace_strategy.sim import command as sim_command
-
-        return sim_command.main(argv[1:])
-    if argv[0] == "diagnose":
-        from pace_strategy.diagnose import command
-
-        return command.main(argv[1:])
-    try:
-        from pace_strategy import demo
-
-        return demo.main(argv[1:])
-    except PacingConfigError as error:
-        print(f"pace {argv[0]}: error: {error}", file=sys.stderr)
-        return 2
+def _configure_logging(level: str) -> None:
+    """Our own logger only: the frameworks keep configuring theirs as they do without us."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    log = logging.getLogger("pace_strategy")
+    log.addHandler(handler)
+    log.setLevel(level)
+    log.propagate = False
 
 
 if __name__ == "__main__":

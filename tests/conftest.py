@@ -9,6 +9,11 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# `import pace_strategy` loads no framework, so the first test that uses Lightning would import it and
+# with it the variables torch sets on first use (TORCHINDUCTOR_CACHE_DIR, ...), which the leak guard
+# below would blame on that test. Import it once here, before any test.
+import lightning.pytorch  # noqa: F401
+
 
 @pytest.fixture(autouse=True)
 def _no_leaks():

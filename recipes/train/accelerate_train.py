@@ -9,7 +9,7 @@ says the model, data and straggler; see ``docs/recipes.md``.
 
 import sys
 
-from pace_strategy.recipes import main_for
+from pace_strategy.apps.recipes import main_for
 
 if __name__ == "__main__":
     sys.exit(main_for("accelerate", sys.argv[1:]))

@@ -18,7 +18,7 @@ from pace_strategy.cli import main as cli_main
 def run_demo(tmp_path: Path, *args: str, timeout: float = 150.0) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.run(
-        [sys.executable, "-m", "pace_strategy.demo", "--root", str(tmp_path / "runs"), *args],
+        [sys.executable, "-m", "pace_strategy", "demo", "--root", str(tmp_path / "runs"), *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -92,7 +92,7 @@ def _rtt_ms(src: testbed.Node, dst: testbed.Node, pings: int = 20) -> tuple[floa
 
 
 def _delay_element_pids(prefix: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "pace_strategy.testbed_link"], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-f", "pace_strategy.testbed.link"], capture_output=True, text=True)
     in_fabric = subprocess.run(["ip", "netns", "pids", f"{prefix}-fabric"], capture_output=True, text=True)
     return sorted({int(p) for p in out.stdout.split()} & {int(p) for p in in_fabric.stdout.split()})
 
@@ -142,13 +142,13 @@ def test_refuses_without_root_and_rejects_bad_specs():
             capture_output=True, text=True, timeout=60, cwd="/",
         )  # fmt: skip
         assert done.returncode == 2 and "needs root" in done.stderr, done.stderr
-    with pytest.raises(ValueError, match="racks=3"):
+    with pytest.raises(testbed.TestbedSpecError, match="racks=3"):
         testbed.FabricSpec(nodes=2, racks=3)
-    with pytest.raises(ValueError, match="node 7"):
+    with pytest.raises(testbed.TestbedSpecError, match="node 7"):
         testbed.FabricSpec(nodes=4, slow_nodes=(7,))
-    with pytest.raises(ValueError, match="rack_delay rack 2"):
+    with pytest.raises(testbed.TestbedSpecError, match="rack_delay rack 2"):
         testbed.FabricSpec(nodes=4, racks=2, rack_delay={2: testbed.Impairment(5.0)})
-    with pytest.raises(ValueError, match=r"loss=0\.9"):
+    with pytest.raises(testbed.TestbedSpecError, match=r"loss=0\.9"):
         testbed.Impairment(loss=0.9)
     bad = subprocess.run(
         [sys.executable, "-m", "pace_strategy.cli", "testbed", "up", "--rack-delay", "1=5:x"],
@@ -180,10 +180,10 @@ def test_rack_delay_holds_frames_leaving_that_rack_and_down_stops_the_element():
         removed = testbed.down(prefix)
     assert any("delay element" in r for r in removed), removed
     for _ in range(40):
-        if not any(b"testbed_link" in _cmdline(p) for p in element):
+        if not any(b"pace_strategy.testbed.link" in _cmdline(p) for p in element):
             break
         time.sleep(0.05)
-    assert element and not any(b"testbed_link" in _cmdline(p) for p in element)
+    assert element and not any(b"pace_strategy.testbed.link" in _cmdline(p) for p in element)
     assert _namespaces(prefix) == []
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert "tb-u1" not in links  # the TAP devices went with the namespace, not back to the host

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from pace_strategy.apps.recipes import TrainRecipe, load_recipe
 from pace_strategy.core.errors import PacingConfigError
-from pace_strategy.recipes import TrainRecipe, load_recipe
 
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes" / "train").glob("*.yaml"))
 # accelerate configs live beside the recipes but are accelerate's format, read by `pace launch`

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from pace_strategy.testbed_link import Impairment, LinkSchedule
+from pace_strategy.testbed import Impairment, LinkSchedule, TestbedSpecError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,7 +59,7 @@ def test_impairment_text_and_validation():
     assert Impairment.parse("5:1:0.001") == Impairment(5.0, 1.0, 0.001)
     assert str(Impairment(5.0, 1.0)) == "5:1:0"
     assert Impairment().is_identity and not Impairment(loss=0.1).is_identity
-    with pytest.raises(ValueError, match="MS\\[:JITTER_MS\\[:LOSS\\]\\]"):
+    with pytest.raises(TestbedSpecError, match="MS\\[:JITTER_MS\\[:LOSS\\]\\]"):
         Impairment.parse("5:1:0:3")
-    with pytest.raises(ValueError, match="delay_ms=-1"):
+    with pytest.raises(TestbedSpecError, match="delay_ms=-1"):
         Impairment(delay_ms=-1.0)

@@ -18,13 +18,12 @@ iproute2 are needed; ``up`` refuses with a message otherwise.
 
 Delay, jitter and loss: this kernel has no ``netem``, so an uplink with a ``rack_delay`` on either
 side is built from two TAP devices joined by the user-space delay element
-(:mod:`pace_strategy.testbed_link`, one process per such uplink, seeded) instead of a veth pair;
+(:mod:`pace_strategy.testbed.link`, one process per such uplink, seeded) instead of a veth pair;
 ``tbf`` still shapes it. ``rack_delay[R]`` applies to frames leaving rack R over its uplinks.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -37,15 +36,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pace_strategy.core.errors import PacingConfigError
-from pace_strategy.testbed_link import Impairment
+from pace_strategy.testbed.errors import TestbedError, TestbedSpecError
+from pace_strategy.testbed.link import Impairment
 
 __all__ = [
     "Fabric",
     "FabricSpec",
-    "Impairment",
     "Node",
-    "TestbedError",
+    "check_environment",
     "down",
     "run_on_nodes",
     "running",
@@ -56,10 +54,6 @@ __all__ = [
 SUBNET = "10.198.0"
 STATE_DIR = Path("/run/pace-testbed")
 CGROUP_ROOTS = (Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup"))
-
-
-class TestbedError(RuntimeError):
-    """The test bed cannot be built or used here; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
@@ -80,26 +74,26 @@ class FabricSpec:
 
     def __post_init__(self) -> None:
         if not 2 <= self.nodes <= 32:
-            raise PacingConfigError(f"testbed nodes={self.nodes!r} is invalid: expected 2..32.")
+            raise TestbedSpecError(f"testbed nodes={self.nodes!r} is invalid: expected 2..32.")
         if not 1 <= self.racks <= self.nodes:
-            raise PacingConfigError(f"testbed racks={self.racks!r} is invalid: expected 1..nodes.")
+            raise TestbedSpecError(f"testbed racks={self.racks!r} is invalid: expected 1..nodes.")
         if self.uplink_mbit <= 0 or self.slow_path_mbit <= 0:
-            raise PacingConfigError("testbed uplink_mbit and slow_path_mbit must be > 0 Mbit/s.")
+            raise TestbedSpecError("testbed uplink_mbit and slow_path_mbit must be > 0 Mbit/s.")
         for n in (*self.slow_nodes, *self.cpu_quota):
             if not 0 <= n < self.nodes:
-                raise PacingConfigError(f"testbed node {n!r} is out of range 0..{self.nodes - 1}.")
+                raise TestbedSpecError(f"testbed node {n!r} is out of range 0..{self.nodes - 1}.")
         for n, share in self.cpu_quota.items():
             if not 0.01 <= share <= 1.0:
-                raise PacingConfigError(f"testbed cpu_quota[{n}]={share!r}: expected a share in 0.01..1.")
+                raise TestbedSpecError(f"testbed cpu_quota[{n}]={share!r}: expected a share in 0.01..1.")
         for r, imp in self.rack_delay.items():
             if not 0 <= r < self.racks:
-                raise PacingConfigError(f"testbed rack_delay rack {r!r} is out of range 0..{self.racks - 1}.")
+                raise TestbedSpecError(f"testbed rack_delay rack {r!r} is out of range 0..{self.racks - 1}.")
             if not isinstance(imp, Impairment):
-                raise PacingConfigError(f"testbed rack_delay[{r}] must be an Impairment, got {imp!r}.")
+                raise TestbedSpecError(f"testbed rack_delay[{r}] must be an Impairment, got {imp!r}.")
         if self.rack_delay and self.racks < 2:
-            raise PacingConfigError("testbed rack_delay needs racks >= 2: it impairs the cross-rack uplink.")
+            raise TestbedSpecError("testbed rack_delay needs racks >= 2: it impairs the cross-rack uplink.")
         if not self.prefix.replace("-", "").isalnum() or len(self.prefix) > 10:
-            raise PacingConfigError(f"testbed prefix={self.prefix!r}: letters, digits and '-', <= 10 chars.")
+            raise TestbedSpecError(f"testbed prefix={self.prefix!r}: letters, digits and '-', <= 10 chars.")
 
     def impairment(self, rack: int) -> Impairment:
         return self.rack_delay.get(rack, Impairment())
@@ -244,7 +238,7 @@ def _start_link(spec: FabricSpec, r: int, fabric_ns: str, a: str, b: str) -> Non
     anything can fail, so ``down`` stops it whatever happens next."""
     STATE_DIR.mkdir(parents=True, exist_ok=True)
     log = STATE_DIR / f"{spec.prefix}-link{r}.log"
-    cmd = ["ip", "netns", "exec", fabric_ns, sys.executable, "-m", "pace_strategy.testbed_link", a, b]
+    cmd = ["ip", "netns", "exec", fabric_ns, sys.executable, "-m", "pace_strategy.testbed.link", a, b]
     cmd += [f"--a-to-b={spec.impairment(r - 1)}", f"--b-to-a={spec.impairment(r)}", f"--seed={spec.seed + r}"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -262,7 +256,7 @@ def _stop_links(prefix: str) -> list[str]:
     for pidfile in sorted(STATE_DIR.glob(f"{prefix}-link*.pid")) if STATE_DIR.exists() else ():
         pid = int(pidfile.read_text())
         try:
-            is_ours = b"pace_strategy.testbed_link" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            is_ours = b"pace_strategy.testbed.link" in Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             is_ours = False
         if is_ours:
@@ -320,7 +314,7 @@ def run_on_nodes(
     fabric: Fabric, args: Sequence[str], *, env: Mapping[str, str] | None = None, port: int = 29511,
     timeout_s: float = 600.0,
 ) -> list[subprocess.CompletedProcess[str]]:  # fmt: skip
-    """Run ``python -m pace_strategy.demo ARGS --num-nodes N`` once per node, in its namespace, as a
+    """Run ``python -m pace_strategy demo ARGS --num-nodes N`` once per node, in its namespace, as a
     multi-node launcher would (``NODE_RANK``, ``MASTER_ADDR`` = node 0, gloo on ``eth0``); a node with
     a CPU quota runs in its cgroup. Kills every node's processes on timeout or interrupt."""
     procs: list[subprocess.Popen[str]] = []
@@ -329,7 +323,7 @@ def run_on_nodes(
             node_env = dict(os.environ, OMP_NUM_THREADS="1", NODE_RANK=str(node.index))
             node_env.update(MASTER_ADDR=fabric.master.address, MASTER_PORT=str(port))
             node_env.update(GLOO_SOCKET_IFNAME="eth0", PACE_HOSTNAME=node.host, **(env or {}))
-            cmd = ["ip", "netns", "exec", node.netns, sys.executable, "-m", "pace_strategy.demo"]
+            cmd = ["ip", "netns", "exec", node.netns, sys.executable, "-m", "pace_strategy", "demo"]
             cmd += [*args, "--num-nodes", str(len(fabric.nodes))]
             proc = subprocess.Popen(
                 cmd, env=node_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -358,78 +352,3 @@ def running(spec: FabricSpec) -> Iterator[Fabric]:
         yield fabric
     finally:
         down(spec.prefix)
-
-
-def _quota(text: str) -> tuple[int, float]:
-    node, _, share = text.partition("=")
-    try:
-        return int(node), float(share)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected NODE=SHARE (e.g. 2=0.5), got {text!r}") from None
-
-
-def _rack_delay(text: str) -> tuple[int, Impairment]:
-    rack, _, impairment = text.partition("=")
-    try:
-        return int(rack), Impairment.parse(impairment)
-    except (ValueError, PacingConfigError) as error:
-        raise argparse.ArgumentTypeError(
-            f"expected RACK=MS[:JITTER[:LOSS]] (e.g. 1=5:1:0.001), got {text!r}: {error}"
-        ) from None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``pace testbed up|down|status``."""
-    p = argparse.ArgumentParser(prog="pace testbed", description="The emulated two-rack cluster (root).")
-    sub = p.add_subparsers(dest="action", required=True)
-    u = sub.add_parser("up", help="build it (replacing one with the same prefix)")
-    u.add_argument("--nodes", type=int, default=4)
-    u.add_argument("--racks", type=int, default=2)
-    u.add_argument("--uplink-mbit", type=float, default=100.0, help="cross-rack uplink rate")
-    u.add_argument("--slow-node", type=int, action="append", default=[], help="shape this node's port")
-    u.add_argument("--slow-path-mbit", type=float, default=20.0)
-    u.add_argument("--cpu-quota", type=_quota, action="append", default=[], metavar="NODE=SHARE")
-    u.add_argument(
-        "--rack-delay",
-        type=_rack_delay,
-        action="append",
-        default=[],
-        metavar="RACK=MS[:JITTER[:LOSS]]",
-        help="delay (ms), jitter (ms, normal sd) and loss share of frames leaving RACK over the uplink",
-    )
-    u.add_argument("--seed", type=int, default=0, help="seed of the delay elements' schedules")
-    for q in (u, sub.add_parser("down", help="remove it (safe to repeat)"), sub.add_parser("status")):
-        q.add_argument("--prefix", default="pace-tb", help="name prefix of its namespaces and cgroups")
-    args = p.parse_args(argv)
-    try:
-        if args.action == "up":
-            spec = FabricSpec(
-                nodes=args.nodes,
-                racks=args.racks,
-                uplink_mbit=args.uplink_mbit,
-                slow_nodes=tuple(args.slow_node),
-                slow_path_mbit=args.slow_path_mbit,
-                cpu_quota=dict(args.cpu_quota),
-                rack_delay=dict(args.rack_delay),
-                seed=args.seed,
-                prefix=args.prefix,
-            )
-            fabric = up(spec)
-            for node in fabric.nodes:
-                extra = f", cgroup {node.cgroup}" if node.cgroup else ""
-                print(f"{node.netns:<14} {node.address:<12} rack {node.rack}{extra}")
-            delays = "".join(f"; rack {r} egress {imp} (ms:ms:loss)" for r, imp in spec.rack_delay.items())
-            print(
-                f"uplink {spec.uplink_mbit:g} Mbit/s{delays}; "
-                f"remove with: pace testbed down --prefix {spec.prefix}"
-            )
-        elif args.action == "down":
-            removed = down(args.prefix)
-            print(f"removed {len(removed)}: {', '.join(removed)}" if removed else "nothing to remove")
-        else:
-            state = status(args.prefix)
-            print(json.dumps(state, indent=2) if state else f"no test bed with prefix {args.prefix!r} is up")
-    except (TestbedError, PacingConfigError) as error:
-        print(f"pace testbed: error: {error}", file=sys.stderr)
-        return 2
-    return 0

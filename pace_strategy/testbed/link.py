@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pace_strategy.core.errors import PacingConfigError
+from pace_strategy.testbed.errors import TestbedSpecError
 
 __all__ = ["Impairment", "LinkSchedule", "forward", "open_tap"]
 
@@ -58,9 +58,9 @@ class Impairment:
         for name in ("delay_ms", "jitter_ms"):
             value = getattr(self, name)
             if not 0.0 <= value <= 10_000.0:
-                raise PacingConfigError(f"link {name}={value!r} is invalid: expected 0..10000 ms.")
+                raise TestbedSpecError(f"link {name}={value!r} is invalid: expected 0..10000 ms.")
         if not 0.0 <= self.loss <= 0.5:
-            raise PacingConfigError(f"link loss={self.loss!r} is invalid: expected a share in 0..0.5.")
+            raise TestbedSpecError(f"link loss={self.loss!r} is invalid: expected a share in 0..0.5.")
 
     @property
     def is_identity(self) -> bool:
@@ -75,7 +75,7 @@ class Impairment:
                 raise ValueError
             values = [float(p) for p in parts]
         except ValueError:
-            raise PacingConfigError(
+            raise TestbedSpecError(
                 f"link impairment {text!r} is invalid: expected MS[:JITTER_MS[:LOSS]], e.g. 5:1:0.001."
             ) from None
         return cls(*values)
@@ -160,7 +160,7 @@ def forward(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pace_strategy.testbed_link", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m pace_strategy.testbed.link", description=__doc__)
     p.add_argument("tap_a")
     p.add_argument("tap_b")
     p.add_argument("--a-to-b", type=Impairment.parse, default=Impairment(), metavar="MS[:JITTER[:LOSS]]")

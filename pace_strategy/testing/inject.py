@@ -1,4 +1,4 @@
-"""Deterministic straggler injection for demos, tests and benchmarks (framework-agnostic).
+"""Deterministic straggler injection for demos, tests and benchmarks (framework-agnostic, stdlib only).
 
 A :class:`Straggler` says which rank is slowed, by how much and how often; the delay for a given
 (rank, step) is a pure function of its fields and the seed, so every run replays the same schedule.

@@ -1,10 +1,10 @@
 """Training recipes: one omegaconf YAML (plus dotlist overrides) -> one typed, validated job.
 
-A recipe is a small real training job (an MLP on seeded random data) with an optional injected
-straggler, run by Lightning (``paced_ddp``, ``paced_fsdp`` and their unpaced baselines) or by
-Accelerate. The scripts in ``recipes/train/`` call :func:`load_recipe` and then
-:func:`run_lightning` or :func:`run_accelerate`; CPU or GPU and the process count come from the
-recipe or an override (``trainer.accelerator=gpu trainer.devices=8``), nothing else changes.
+A recipe is the example job of :mod:`pace_strategy.apps.job` (an MLP on seeded random data) with an
+optional injected straggler, run by Lightning (``paced_ddp``, ``paced_fsdp`` and their unpaced
+baselines) or by Accelerate. The scripts in ``recipes/train/`` call :func:`main_for`; ``pace demo`` is
+a built-in recipe plus overrides. CPU or GPU and the process count come from the recipe or an
+override (``trainer.accelerator=gpu trainer.devices=8``), nothing else changes.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 from pace_strategy.core.config import PacingConfig, check_known_keys
 from pace_strategy.core.errors import PacingConfigError
-from pace_strategy.inject import Straggler
 from pace_strategy.settings import build, load_mapping
+from pace_strategy.testing import Straggler
 
 __all__ = [
     "DataRecipe",
@@ -121,7 +121,7 @@ class StragglerRecipe:
         Straggler(rank=0, delay_ms=self.delay_ms, probability=self.probability, jitter_ms=self.jitter_ms)
 
     def injection(self) -> Straggler | None:
-        """The :class:`~pace_strategy.Straggler` this section describes (validated), or ``None``."""
+        """The :class:`~pace_strategy.testing.Straggler` this section describes (validated), or ``None``."""
         if self.rank is None:
             return None
         return Straggler(
@@ -202,28 +202,6 @@ def load_recipe(path: str | os.PathLike[str] | None, overrides: Sequence[str] = 
 
 
 # ---------------------------------------------------------------------------------------- the job
-def _network(model: ModelRecipe) -> Any:
-    from torch import nn
-
-    layers: list[Any] = []
-    width_in = model.inputs
-    for _ in range(model.depth):
-        layers.append(nn.Sequential(nn.Linear(width_in, model.width), nn.ReLU()))
-        width_in = model.width
-    layers.append(nn.Linear(width_in, model.classes))
-    return nn.Sequential(*layers)
-
-
-def _dataset(recipe: TrainRecipe, world_size: int) -> Any:
-    import torch
-    from torch.utils.data import TensorDataset
-
-    n = recipe.trainer.max_steps * recipe.trainer.accumulate * recipe.data.batch_size * world_size
-    g = torch.Generator().manual_seed(recipe.data.seed)
-    x = torch.randn(n, recipe.model.inputs, generator=g)
-    return TensorDataset(x, torch.randint(0, recipe.model.classes, (n,), generator=g))
-
-
 def _lightning_strategy(recipe: TrainRecipe) -> Any:
     from pace_strategy.integrations.lightning import PacedDDPStrategy, PacedFSDPStrategy
 
@@ -244,53 +222,44 @@ def _lightning_strategy(recipe: TrainRecipe) -> Any:
     return name
 
 
-def run_lightning(recipe: TrainRecipe) -> int:
-    """Train the recipe with a Lightning Trainer; returns a process exit status."""
+def run_lightning(
+    recipe: TrainRecipe,
+    *,
+    stragglers: Sequence[Straggler] = (),
+    data_stragglers: Sequence[Straggler] = (),
+    callbacks: Sequence[Any] = (),
+    quiet: bool = False,
+) -> Any:
+    """Train the recipe with a Lightning Trainer and return the trainer (after ``fit``).
+
+    ``stragglers`` are injected in addition to the recipe's ``straggler:`` section, ``data_stragglers``
+    slow the data loader of their ranks, ``callbacks`` are added to the Trainer's; ``quiet`` drops the
+    progress lines. Process-wide settings (threads per rank) are the entry point's business.
+    """
     import lightning as L
-    import torch
     from torch.utils.data import DataLoader
 
     import pace_strategy  # noqa: F401  (registers the strategies)
-    from pace_strategy.demo import QUIET_TRAINER, _Progress, _SaveWeights
-    from pace_strategy.hooks.fsdp import auto_shard
-    from pace_strategy.integrations.lightning import InjectStraggler
+    from pace_strategy.apps.job import SlowCollate, make_dataset
+    from pace_strategy.apps.lightning_job import (
+        QUIET_TRAINER,
+        ExampleModule,
+        Progress,
+        SaveWeights,
+        ShardedExampleModule,
+    )
+    from pace_strategy.testing import InjectStraggler
 
     if recipe.framework != "lightning":
         _fail("framework", recipe.framework, "lightning for run_lightning")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
     L.seed_everything(recipe.seed, verbose=False)
-    compute_s = recipe.model.compute_ms / 1e3
-    shard_baseline = recipe.trainer.strategy == "fsdp"
-
-    class RecipeModel(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = _network(recipe.model)
-
-        def training_step(self, batch: Any, batch_idx: int) -> Any:
-            x, y = batch
-            if compute_s > 0:
-                time.sleep(compute_s)  # stands in for accelerator time
-            return torch.nn.functional.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=recipe.model.lr)
-
-    class ShardedRecipeModel(RecipeModel):
-        """The unpaced FSDP baseline: Lightning's ModelParallelStrategy needs configure_model."""
-
-        def configure_model(self) -> None:
-            mesh = self.device_mesh
-            assert mesh is not None  # set by ModelParallelStrategy before configure_model
-            auto_shard(self.net, mesh["data_parallel"], min_params=recipe.fsdp.min_params)
-
-    callbacks: list[Any] = [_Progress(recipe.trainer.max_steps, quiet=False)]
-    injection = recipe.straggler.injection()
-    if injection is not None:
-        callbacks.append(InjectStraggler(injection))
+    injected = [s for s in (recipe.straggler.injection(),) if s is not None] + list(stragglers)
+    all_callbacks: list[Any] = [Progress(recipe.trainer.max_steps, quiet=quiet)]
+    if injected:
+        all_callbacks.append(InjectStraggler(injected))
     if recipe.output.save_weights:
-        callbacks.append(_SaveWeights(recipe.output.save_weights))
+        all_callbacks.append(SaveWeights(recipe.output.save_weights))
+    all_callbacks += callbacks
     world = recipe.trainer.devices * recipe.trainer.num_nodes
     trainer = L.Trainer(
         accelerator=recipe.trainer.accelerator,
@@ -300,15 +269,21 @@ def run_lightning(recipe: TrainRecipe) -> int:
         max_steps=recipe.trainer.max_steps,
         accumulate_grad_batches=recipe.trainer.accumulate,
         logger=L.pytorch.loggers.TensorBoardLogger(recipe.output.root, name=recipe.output.name),
-        callbacks=callbacks,
+        callbacks=all_callbacks,
         **QUIET_TRAINER,
     )
-    loader = DataLoader(_dataset(recipe, world), batch_size=recipe.data.batch_size, shuffle=False)
-    model = ShardedRecipeModel() if shard_baseline else RecipeModel()
+    loader = DataLoader(
+        make_dataset(recipe, world),
+        batch_size=recipe.data.batch_size,
+        shuffle=False,
+        collate_fn=SlowCollate(data_stragglers),
+    )
+    if recipe.trainer.strategy == "fsdp":
+        model: Any = ShardedExampleModule(recipe.model, recipe.fsdp.min_params)
+    else:
+        model = ExampleModule(recipe.model)
     trainer.fit(model, loader)
-    if trainer.global_rank == 0 and trainer.logger is not None:
-        print(f"trained {trainer.global_step} steps; logs in {trainer.logger.log_dir}", flush=True)
-    return 0
+    return trainer
 
 
 def run_accelerate(recipe: TrainRecipe) -> int:
@@ -317,12 +292,12 @@ def run_accelerate(recipe: TrainRecipe) -> int:
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
-    from pace_strategy.inject import sleep_injected
+    from pace_strategy.apps.job import ProgressLine, build_net, make_dataset
     from pace_strategy.integrations.accelerate import attach_pacing
+    from pace_strategy.testing import sleep_injected
 
     if recipe.framework != "accelerate":
         _fail("framework", recipe.framework, "accelerate for run_accelerate")
-    torch.set_num_threads(1)
     project = Path(recipe.output.root) / recipe.output.name
     accelerator = Accelerator(
         log_with="tensorboard",
@@ -331,18 +306,18 @@ def run_accelerate(recipe: TrainRecipe) -> int:
     )
     accelerator.init_trackers("run")
     torch.manual_seed(recipe.seed)
-    net = _network(recipe.model)
+    net = build_net(recipe.model)
     optimizer = torch.optim.SGD(net.parameters(), lr=recipe.model.lr)
     loader = DataLoader(
-        _dataset(recipe, accelerator.num_processes), batch_size=recipe.data.batch_size, shuffle=False
+        make_dataset(recipe, accelerator.num_processes), batch_size=recipe.data.batch_size, shuffle=False
     )
     model, optimizer, loader = accelerator.prepare(net, optimizer, loader)
     handle = attach_pacing(accelerator, model, recipe.pacing_config()) if recipe.paced else None
     injection = recipe.straggler.injection()
     stragglers = [injection] if injection is not None else []
     compute_s = recipe.model.compute_ms / 1e3
-    rank, step, started = accelerator.process_index, 0, time.monotonic()
-    every = max(1, recipe.trainer.max_steps // 10)
+    rank, step = accelerator.process_index, 0
+    progress = ProgressLine(recipe.trainer.max_steps, quiet=not accelerator.is_main_process)
     for x, y in loader:
         with accelerator.accumulate(model):
             sleep_injected(stragglers, rank, step)
@@ -354,13 +329,21 @@ def run_accelerate(recipe: TrainRecipe) -> int:
             optimizer.zero_grad()
         if accelerator.sync_gradients:
             step += 1
-            if accelerator.is_main_process and (step % every == 0 or step == recipe.trainer.max_steps):
-                print(f"  step {step:>5}/{recipe.trainer.max_steps}  {time.monotonic() - started:6.1f} s")
+            progress.step(step)
     accelerator.end_training()
     if accelerator.is_main_process:
         record = handle.record_path if handle is not None else None
         print(f"trained {step} steps; logs in {project}; run record {record}", flush=True)
     return 0
+
+
+def one_thread_per_rank() -> None:
+    """One intra-op thread per rank (a process-wide setting, so only entry points call it):
+    threads x local ranks > cores makes every step several times slower."""
+    import torch
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 
 
 def main_for(framework: str, argv: Sequence[str]) -> int:
@@ -369,8 +352,12 @@ def main_for(framework: str, argv: Sequence[str]) -> int:
         print(f"usage: {framework}_train.py RECIPE.yaml [key.sub=value ...]")
         return 0 if argv else 2
     recipe = load_recipe(argv[0], argv[1:])
+    one_thread_per_rank()
     if framework == "lightning":
-        return run_lightning(recipe)
+        trainer = run_lightning(recipe)
+        if trainer.global_rank == 0 and trainer.logger is not None:
+            print(f"trained {trainer.global_step} steps; logs in {trainer.logger.log_dir}", flush=True)
+        return 0
     status = run_accelerate(recipe)
     # Everything is closed and flushed by now (trackers, run record, process groups). Skip the
     # interpreter's finalization: with gloo, a c10d worker thread that still holds the last reference

@@ -1,0 +1,113 @@
+"""Import-time plumbing: attributes loaded on first use, and hooks that run when a framework is imported.
+
+``import pace_strategy`` must stay cheap (the CLI, ``pace diagnose`` and ``pace simulate`` need neither
+Lightning nor Accelerate), yet ``Trainer(strategy="paced_ddp")`` must find our strategies in Lightning's
+registry. So the package registers them the moment Lightning itself is imported (or at once, when it
+already is), through a post-import hook on ``sys.meta_path`` that wraps the framework module's loader.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import Any
+
+__all__ = ["lazy_attributes", "when_imported"]
+
+log = logging.getLogger("pace_strategy")
+
+
+def lazy_attributes(package: str, where: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` (PEP 562) that imports ``where[name]`` (a module path) on first access
+    of ``name`` and caches the attribute in the package's namespace."""
+
+    def __getattr__(name: str) -> Any:
+        module = where.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    return __getattr__
+
+
+def _run_hook(module_name: str, hook: Callable[[], None]) -> None:
+    # A failing hook must never break the user's own `import lightning`: say so once and go on.
+    try:
+        hook()
+    except Exception:
+        log.warning("pace_strategy: setting up for %s failed; its paced strategies are missing", module_name,
+                    exc_info=True)  # fmt: skip
+
+
+class _HookedLoader(importlib.abc.Loader):
+    """The framework module's own loader, plus our hook after the module has executed."""
+
+    def __init__(self, loader: Any, module_name: str, hook: Callable[[], None]) -> None:
+        self._loader, self._module_name, self._hook = loader, module_name, hook
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        _run_hook(self._module_name, self._hook)
+
+    def __getattr__(self, name: str) -> Any:  # get_resource_reader, is_package, get_filename, ...
+        return getattr(self._loader, name)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a watched module it asks the other finders for the spec and wraps the
+    spec's loader so that the hook runs once the module is fully executed."""
+
+    def __init__(self) -> None:
+        self.hooks: dict[str, list[Callable[[], None]]] = {}
+        self._searching: set[str] = set()
+        self._lock = threading.Lock()
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        with self._lock:
+            if fullname not in self.hooks or fullname in self._searching:
+                return None
+            self._searching.add(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._searching.discard(fullname)
+        if spec is None or spec.loader is None:
+            return None
+        with self._lock:
+            hooks = self.hooks.pop(fullname, [])
+        if not hooks:
+            return None
+
+        def run_all() -> None:
+            for hook in hooks:
+                hook()
+
+        spec.loader = _HookedLoader(spec.loader, fullname, run_all)
+        return spec
+
+
+_FINDER = _PostImportFinder()
+
+
+def when_imported(module_name: str, hook: Callable[[], None]) -> None:
+    """Run ``hook()`` once ``module_name`` has been imported: now, if it already is, else right after
+    its import finishes. A hook that raises is logged as a warning, never raised into the importer."""
+    if module_name in sys.modules:
+        _run_hook(module_name, hook)
+        return
+    with _FINDER._lock:
+        _FINDER.hooks.setdefault(module_name, []).append(hook)
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)

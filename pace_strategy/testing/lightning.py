@@ -1,0 +1,30 @@
+"""``InjectStraggler``: a Lightning callback that applies :class:`~pace_strategy.testing.Straggler`
+injections inside the measured compute of each training batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from lightning.pytorch import Callback
+from typing_extensions import override
+
+from pace_strategy.testing.inject import Straggler, sleep_injected
+
+__all__ = ["InjectStraggler"]
+
+
+class InjectStraggler(Callback):
+    """Sleep on the chosen ranks at the start of each training batch (inside the measured compute).
+
+    Args:
+        stragglers: the injections (see :class:`pace_strategy.testing.Straggler`).
+    """
+
+    def __init__(self, stragglers: Sequence[Straggler] | Straggler) -> None:
+        self.stragglers = (stragglers,) if isinstance(stragglers, Straggler) else tuple(stragglers)
+        self.injected_ms = 0.0  #: milliseconds slept on this rank so far
+
+    @override
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.injected_ms += sleep_injected(self.stragglers, trainer.global_rank, trainer.global_step)
