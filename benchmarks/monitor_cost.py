@@ -51,8 +51,9 @@ def _worker(rank: int, ranks: int, steps: int, store: str, out: str) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from pace_strategy.apps.job import build_net
+    from pace_strategy.apps.recipes import ModelRecipe
     from pace_strategy.core import HostClock, Pacer, PacingConfig
-    from pace_strategy.demo import demo_net
     from pace_strategy.hooks.ddp import attach_paced_ddp
 
     torch.set_num_threads(1)
@@ -60,14 +61,14 @@ def _worker(rank: int, ranks: int, steps: int, store: str, out: str) -> None:
         "gloo", store=dist.FileStore(store, ranks), rank=rank, world_size=ranks, timeout=timedelta(seconds=60)
     )
     torch.manual_seed(0)
-    base = demo_net(256)
+    base = build_net(ModelRecipe(width=256, depth=2))  # the demo's MLP
     models = {arm: DDP(copy.deepcopy(base)) for arm in ARMS}
     models["python_hook"].register_comm_hook(None, default_hooks.allreduce_hook)
     pacers = {}
     for arm in ("comm_hook", "grad_ready"):
         # Local only: no group, a window that never closes; the per-step path is what is timed.
         cfg = PacingConfig(mode="monitor", exchange_every_steps=10**9, ddp_monitor=arm)
-        pacers[arm] = Pacer(cfg, None, 0, 1, HostClock(), summaries=False)
+        pacers[arm] = Pacer(cfg, None, 0, 1, HostClock())
         attach_paced_ddp(models[arm], pacers[arm])
     opts = {arm: torch.optim.SGD(m.parameters(), lr=0.01) for arm, m in models.items()}
     wall: dict[str, list[float]] = {arm: [] for arm in ARMS}

@@ -1,6 +1,7 @@
 """One rank's pacing session: the Pacer plus its telemetry sinks, shared by every framework adapter.
 
-An adapter builds a session once the process group exists, forwards the framework's step events to
+An adapter starts a session once the process group exists (``PacingSession.with_side_group`` or
+``PacingSession.start``, collective: they gather the topology), forwards the framework's step events to
 ``session.pacer`` / ``session.end_step``, and calls ``finish`` (all ranks, normal end) or ``fail``
 (local, on an exception; no collective). Only rank 0 writes telemetry.
 """
@@ -12,7 +13,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ from pace_strategy._version import __version__
 from pace_strategy.core.clock import Clock, clock_for_device
 from pace_strategy.core.comm import gather_json
 from pace_strategy.core.config import PacingConfig
-from pace_strategy.core.pacer import Pacer, StepSummarizer, WindowResult
+from pace_strategy.core.pacer import Pacer, WindowResult
+from pace_strategy.core.summary import StepSummarizer
 from pace_strategy.telemetry.run_record import RECORD_FILENAME, RunRecordWriter
 from pace_strategy.telemetry.schema import step_metrics
 from pace_strategy.telemetry.topology import local_placement
@@ -49,7 +51,32 @@ def side_group(config: PacingConfig) -> dist.ProcessGroup | None:
 
 
 class PacingSession:
-    """The Pacer of one rank and, on rank 0, its metrics sink and run-record writer."""
+    """The Pacer of one rank and, on rank 0, its metrics sink and run-record writer.
+
+    Which calls are collective (every rank of ``group`` makes them, in the same order):
+
+    - :meth:`with_side_group` and :meth:`start`: build the session; they gather the topology
+      (``with_side_group`` also creates the gloo side group);
+    - :meth:`end_step`: every rank, once per step; it launches the batched window exchange;
+    - :meth:`finish`: the final exchange, at the normal end of training.
+
+    The constructor, :meth:`publish`, :meth:`close` and :meth:`fail` are local. Building a session
+    directly takes the already gathered ``topology`` (one placement per rank, as
+    :func:`~pace_strategy.telemetry.topology.local_placement` gives them).
+
+    Args:
+        config: the validated pacing configuration.
+        rank: this rank's index in ``group``.
+        world_size: number of ranks in ``group``.
+        device: the training device (chooses the clock unless ``clock`` is given).
+        group: the process group of the window exchange (``None`` for a single process).
+        framework: recorded in the run record's header (``"lightning"``, ``"accelerate"``, ...).
+        topology: every rank's placement, indexed by rank (written to the run record's header).
+        log_dir: rank 0: the directory of the run record (none is written without it).
+        metrics_sink: rank 0: receives every step's ``pace/`` tags.
+        clock: how durations are measured (default: ``clock_for_device(device)``).
+        owns_group: release ``group`` at :meth:`finish`.
+    """
 
     def __init__(
         self,
@@ -60,24 +87,25 @@ class PacingSession:
         device: torch.device,
         group: dist.ProcessGroup | None,
         framework: str,
+        topology: Sequence[Mapping[str, Any]],
         log_dir: str | os.PathLike[str] | None = None,
         metrics_sink: MetricsSink | None = None,
-        node_rank: int | None = None,
-        local_rank: int | None = None,
         clock: Clock | None = None,
         owns_group: bool = False,
     ) -> None:
+        if len(topology) != world_size:
+            raise ValueError(
+                f"topology has {len(topology)} placements but world_size is {world_size}: pass one per "
+                "rank (PacingSession.start gathers them)"
+            )
         self.config = config
         self.rank = rank
         self.world_size = world_size
         self._group = group
         self._owns_group = owns_group and group is not None
-        self.pacer = Pacer(
-            config, group, rank, world_size, clock or clock_for_device(device), summaries=False
-        )
+        self.pacer = Pacer(config, group, rank, world_size, clock or clock_for_device(device))
         self.metrics_sink = metrics_sink if rank == 0 else None
-        placement = local_placement(rank, device, node_rank=node_rank, local_rank=local_rank)
-        self.topology = gather_json(group, rank, world_size, placement.to_dict(), config.exchange_timeout_s)
+        self.topology = [dict(placement) for placement in topology]
         self.record: RunRecordWriter | None = None
         self.record_path: Path | None = None
         if rank == 0 and config.run_record and log_dir is not None:
@@ -97,12 +125,46 @@ class PacingSession:
         self._summarizer = StepSummarizer(config.cv_window_steps)
 
     @classmethod
+    def start(
+        cls,
+        config: PacingConfig,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        group: dist.ProcessGroup | None,
+        framework: str,
+        node_rank: int | None = None,
+        local_rank: int | None = None,
+        **kwargs: Any,
+    ) -> PacingSession:
+        """Gather every rank's placement on ``group`` and build the session. Collective on every rank.
+
+        ``node_rank`` / ``local_rank`` override what the environment says about this rank's place;
+        ``kwargs`` are the constructor's other arguments (``log_dir``, ``metrics_sink``, ``clock``,
+        ``owns_group``).
+        """
+        placement = local_placement(rank, device, node_rank=node_rank, local_rank=local_rank)
+        topology = gather_json(group, rank, world_size, placement.to_dict(), config.exchange_timeout_s)
+        return cls(
+            config,
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            group=group,
+            framework=framework,
+            topology=topology,
+            **kwargs,
+        )
+
+    @classmethod
     def with_side_group(cls, config: PacingConfig, **kwargs: Any) -> PacingSession:
         """A session on its own gloo group (see :func:`side_group`), which it releases at ``finish``.
 
-        Collective on every rank; ``kwargs`` are the constructor's other arguments.
+        Collective on every rank (creates the group, then :meth:`start`); ``kwargs`` are the other
+        arguments of :meth:`start`.
         """
-        return cls(config, group=side_group(config), owns_group=True, **kwargs)
+        return cls.start(config, group=side_group(config), owns_group=True, **kwargs)
 
     def end_step(self) -> WindowResult | None:
         """Forward the end of a step to the pacer and publish any window that completed."""
@@ -139,7 +201,7 @@ class PacingSession:
 
     def _publish_now(self, result: WindowResult) -> None:
         self._log_warnings(result)
-        summaries = result.summaries or self._summarizer.summarize(result.gathered)
+        summaries = self._summarizer.summarize(result.gathered)
         if self.metrics_sink is not None:
             for summary in summaries:
                 self.metrics_sink(step_metrics(summary, self.config.per_rank_tag_limit), summary.step)

@@ -1,20 +1,40 @@
-"""Framework-agnostic core of pace_strategy: torch and the standard library only."""
+"""Framework-agnostic core of pace_strategy: torch and the standard library only.
 
-from pace_strategy.core.clock import Clock, CudaEventClock, HostClock, ManualClock, clock_for_device
-from pace_strategy.core.comm import WindowExchange, gather_json
-from pace_strategy.core.config import DDPMonitor, PacingConfig, PacingMode
-from pace_strategy.core.errors import PaceDistributedError, PaceTimeoutError, PacingConfigError
-from pace_strategy.core.pacer import Pacer, WindowResult
-from pace_strategy.core.policy import PacingPolicy
-from pace_strategy.core.records import Decision, Field, PolicyState, StepSummary
-from pace_strategy.core.skew import (
-    WindowStats,
-    coefficient_of_variation,
-    lead,
-    pacable_lead,
-    skew,
-    window_stats,
-)
+Names load on first use: the stdlib-only parts (config, errors, records, glossary) serve
+``pace diagnose`` and the run-record reader without importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pace_strategy._imports import lazy_attributes
+
+if TYPE_CHECKING:
+    from pace_strategy.core.clock import Clock, CudaEventClock, HostClock, ManualClock, clock_for_device
+    from pace_strategy.core.comm import WindowExchange, gather_json
+    from pace_strategy.core.config import DDPMonitor, PacingConfig, PacingMode
+    from pace_strategy.core.errors import PaceDistributedError, PaceTimeoutError, PacingConfigError
+    from pace_strategy.core.glossary import coefficient_of_variation
+    from pace_strategy.core.pacer import Pacer, WindowResult
+    from pace_strategy.core.policy import PacingPolicy
+    from pace_strategy.core.records import Decision, Field, PolicyState, StepSummary
+    from pace_strategy.core.skew import WindowStats, lead, pacable_lead, skew, window_stats
+    from pace_strategy.core.summary import StepSummarizer
+
+_MODULES: dict[str, tuple[str, ...]] = {
+    "clock": ("Clock", "CudaEventClock", "HostClock", "ManualClock", "clock_for_device"),
+    "comm": ("WindowExchange", "gather_json"),
+    "config": ("DDPMonitor", "PacingConfig", "PacingMode"),
+    "errors": ("PaceDistributedError", "PaceTimeoutError", "PacingConfigError"),
+    "glossary": ("coefficient_of_variation",),
+    "pacer": ("Pacer", "WindowResult"),
+    "policy": ("PacingPolicy",),
+    "records": ("Decision", "Field", "PolicyState", "StepSummary"),
+    "skew": ("WindowStats", "lead", "pacable_lead", "skew", "window_stats"),
+    "summary": ("StepSummarizer",),
+}
+_WHERE = {name: f"{__name__}.{module}" for module, names in _MODULES.items() for name in names}
 
 __all__ = [
     "Clock",
@@ -32,6 +52,7 @@ __all__ = [
     "PacingMode",
     "PacingPolicy",
     "PolicyState",
+    "StepSummarizer",
     "StepSummary",
     "WindowExchange",
     "WindowResult",
@@ -44,3 +65,9 @@ __all__ = [
     "skew",
     "window_stats",
 ]
+
+__getattr__ = lazy_attributes(__name__, _WHERE)
+
+
+def __dir__() -> list[str]:
+    return __all__

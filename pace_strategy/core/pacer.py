@@ -7,14 +7,16 @@ reaches the comm hook; applies the delay), ``sync_done`` (after DDP has waited f
 step). FSDP, whose all-gathers and reduce-scatters are each a sync point, brackets every
 collective with ``enter_collective`` / ``exit_collective`` instead (the first applies the delay).
 The hot path is a clock mark and an append; everything else happens once per window.
+
+The Pacer decides; it does not summarize. Whoever needs per-step :class:`StepSummary` records (the
+session's telemetry thread on rank 0, tests, benchmarks) feeds each ``WindowResult.gathered`` to one
+:class:`StepSummarizer` of its own.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,10 +29,10 @@ from pace_strategy.core.comm import PendingGather, WindowExchange
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PaceDistributedError
 from pace_strategy.core.policy import PacingPolicy
-from pace_strategy.core.records import NUM_FIELDS, Decision, Field, StepSummary
+from pace_strategy.core.records import NUM_FIELDS, Decision, Field
 from pace_strategy.core.skew import WindowStats, window_stats
 
-__all__ = ["Pacer", "StepSummarizer", "WindowResult"]
+__all__ = ["Pacer", "WindowResult"]
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +61,16 @@ class _OpenStep:
 
 @dataclass(frozen=True)
 class WindowResult:
-    """What one exchanged window produced: per-step summaries (for telemetry) and the new decision."""
+    """What one exchanged window produced: the gathered window, its statistics and the new decision.
+
+    Per-step records for telemetry: ``StepSummarizer.summarize(result.gathered)``.
+    """
 
     window: int
-    summaries: tuple[StepSummary, ...]  #: empty when the Pacer was built with ``summaries=False``
+    gathered: torch.Tensor  #: the raw window, ``[world_size, steps, NUM_FIELDS]`` float64
     stats: WindowStats
     decision: Decision
-    gathered: torch.Tensor  #: the raw window, ``[world_size, steps, NUM_FIELDS]`` float64
-    warnings: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()  #: straggler warnings to log (rate-limited)
 
 
 class Pacer:
@@ -79,8 +83,6 @@ class Pacer:
         rank: this rank's index in ``group``.
         world_size: number of ranks in ``group``.
         clock: how durations are measured (:func:`~pace_strategy.core.clock.clock_for_device`).
-        summaries: build the per-step :class:`StepSummary` records (needed only where telemetry is
-            written, i.e. rank 0; decisions do not depend on them).
     """
 
     def __init__(
@@ -90,7 +92,6 @@ class Pacer:
         rank: int,
         world_size: int,
         clock: Clock | None = None,
-        summaries: bool = True,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
@@ -109,9 +110,7 @@ class Pacer:
         self._steps_seen = 0
         self._window = 0
         self._delay_ms = 0.0
-        self.summarizer = StepSummarizer(config.cv_window_steps)
         self._watch = _StragglerWatch(config, self.clock)
-        self._build_summaries = summaries
         self.window_work_ns = 0  #: host time end_step spent resolving, exchanging and deciding windows
         self.exchange_wait_ns = 0  #: part of window_work_ns spent blocked waiting for the all-gather
         self.flush_ns = 0  #: host time spent in flush() (end of training; includes waiting for peers)
@@ -310,12 +309,10 @@ class Pacer:
         row[Field.GAP_MS] = el(s.prev_done, s.begin) if s.prev_done is not None else el(s.start, s.begin)
         if s.bucketed:
             row[Field.BUCKETS] = float(len(s.handoffs) + (1 if s.ready is not None else 0))
-        if s.handoffs and s.arrival is not None:
-            row[Field.HANDOFF_SPAN_MS] = el(s.arrival, s.handoffs[-1])
         return row
 
     def _decide(self, gathered: torch.Tensor) -> WindowResult:
-        """Check, decide and summarize one gathered window (identically on every rank)."""
+        """Check and decide one gathered window (identically on every rank)."""
         labels = gathered[:, :, Field.STEP]
         if not bool((labels == labels[0:1]).all()):
             raise PaceDistributedError(
@@ -328,98 +325,15 @@ class Pacer:
         stats = window_stats(self._window, gathered)
         decision = self.policy.update(stats)
         self._delay_ms = decision.delays_ms[self.rank]
-        summaries = self.summarizer.summarize(gathered) if self._build_summaries else ()
         warnings = self._watch.check(stats)
         self._window += 1
         return WindowResult(
             window=stats.window,
-            summaries=summaries,
+            gathered=gathered,
             stats=stats,
             decision=decision,
-            gathered=gathered,
             warnings=warnings,
         )
-
-
-class StepSummarizer:
-    """Turns gathered windows into per-step :class:`StepSummary` records, in order.
-
-    Keeps the rolling step-time CV across windows, so one summarizer must see every window once.
-    """
-
-    def __init__(self, cv_window_steps: int) -> None:
-        self._cv = _RollingCV(cv_window_steps)
-
-    def summarize(self, g: torch.Tensor) -> tuple[StepSummary, ...]:
-        """Summaries of the steps of one gathered window ``[world_size, steps, NUM_FIELDS]``."""
-        # Columns become Python lists once: per-element tensor indexing would cost ~100 us per step.
-        wait = g[:, :, Field.WAIT_MS]
-        wmin, wmax = wait.amin(dim=0), wait.amax(dim=0)
-        per_rank = {f: g[:, :, f].T.tolist() for f in Field}
-        leads = (wait - wmin).T.tolist()
-        valid = (g[:, :, Field.VALID] > 0).all(dim=0).tolist()
-        warm = (g[:, :, Field.WARMUP] > 0).any(dim=0).tolist()
-        straggler = wait.argmin(dim=0).tolist()
-        compute_straggler = g[:, :, Field.COMPUTE_MS].argmax(dim=0).tolist()
-        step_ms = g[:, :, Field.STEP_MS].amax(dim=0).tolist()
-        delay_max = g[:, :, Field.DELAY_MS].amax(dim=0).tolist()
-        buckets = g[:, :, Field.BUCKETS].amax(dim=0).tolist()
-        wmin_l, wmax_l = wmin.tolist(), wmax.tolist()
-        out = []
-        for i in range(g.shape[1]):
-            if valid[i] and not warm[i]:
-                self._cv.add(step_ms[i])
-            out.append(
-                StepSummary(
-                    step=int(per_rank[Field.STEP][i][0]),
-                    valid=bool(valid[i]),
-                    warmup=bool(warm[i]),
-                    skew_ms=wmax_l[i] - wmin_l[i],
-                    straggler_rank=int(straggler[i]),
-                    compute_straggler_rank=int(compute_straggler[i]),
-                    step_ms=step_ms[i],
-                    step_cv=self._cv.value(),
-                    wait_ms_min=wmin_l[i],
-                    wait_ms_max=wmax_l[i],
-                    delay_ms_max=delay_max[i],
-                    pacing_active=delay_max[i] > 0.0,
-                    lead_ms=tuple(leads[i]),
-                    compute_ms=tuple(per_rank[Field.COMPUTE_MS][i]),
-                    wait_ms=tuple(per_rank[Field.WAIT_MS][i]),
-                    delay_ms=tuple(per_rank[Field.DELAY_MS][i]),
-                    rank_step_ms=tuple(per_rank[Field.STEP_MS][i]),
-                    data_ms=tuple(per_rank[Field.DATA_MS][i]),
-                    gap_ms=tuple(per_rank[Field.GAP_MS][i]),
-                    buckets=int(buckets[i]),
-                )
-            )
-        return tuple(out)
-
-
-class _RollingCV:
-    """Coefficient of variation over the last ``size`` values, O(1) per value."""
-
-    def __init__(self, size: int) -> None:
-        self._values: deque[float] = deque(maxlen=size)
-        self._sum = 0.0
-        self._sumsq = 0.0
-
-    def add(self, value: float) -> None:
-        if len(self._values) == self._values.maxlen:
-            old = self._values[0]
-            self._sum -= old
-            self._sumsq -= old * old
-        self._values.append(value)
-        self._sum += value
-        self._sumsq += value * value
-
-    def value(self) -> float:
-        n = len(self._values)
-        if n < 2 or self._sum <= 0.0:
-            return 0.0
-        mean = self._sum / n
-        var = max(self._sumsq / n - mean * mean, 0.0)
-        return math.sqrt(var) / mean
 
 
 class _StragglerWatch:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +19,17 @@ from pace_strategy.core.records import Decision, PolicyState
 from pace_strategy.core.skew import WindowStats
 
 __all__ = ["PacingPolicy"]
+
+
+@dataclass(frozen=True)
+class _Window:
+    """What every state's update needs from one window with usable steps."""
+
+    index: int  #: the window's number
+    median_step_ms: float  #: median step time of the window, milliseconds
+    delays_ms: tuple[float, ...]  #: per-rank delays this window's leads call for, milliseconds
+    note: str  #: the window's skew, in words, for the decision's reason
+    was_paced: bool  #: the window's steps ran under delays (the previous decision paced some rank)
 
 
 class PacingPolicy:
@@ -52,7 +65,13 @@ class PacingPolicy:
         self._cooldown_len = config.cooldown_windows
         self._baseline_ms: float | None = None
         self._noise_ms = 0.0  # standard deviation of the A/B difference from noise alone
-        self._last = self._decision(-1, "start: monitoring", zeros=True)
+        self._update_in: dict[PolicyState, Callable[[_Window], Decision]] = {
+            PolicyState.MONITOR: self._update_monitor,
+            PolicyState.PACING: self._update_pacing,
+            PolicyState.PROBE: self._update_probe,
+            PolicyState.COOLDOWN: self._update_cooldown,
+        }
+        self._last = self._decision(-1, "start: monitoring")
 
     @property
     def last_decision(self) -> Decision:
@@ -60,117 +79,106 @@ class PacingPolicy:
 
     def update(self, stats: WindowStats) -> Decision:
         """Consume one window and return the decision for the steps that follow it."""
-        cfg = self.config
         if stats.steps == 0:
-            self._last = Decision(
-                window=stats.window,
-                state=self.state,
-                delays_ms=self._last.delays_ms,
-                reason="no usable steps in window (warm-up or sync point not seen): decision unchanged",
-                baseline_step_ms=self._baseline_ms,
-            )
-            return self._last
+            return self._keep_last(stats.window)
+        w = self._observe(stats)
+        if self.config.mode == "monitor":
+            return self._set(w.index, PolicyState.MONITOR, f"monitor mode; {w.note}")
+        if self.config.mode == "forced":
+            return self._set(w.index, PolicyState.PACING, f"forced mode; {w.note}", delays=w.delays_ms)
+        return self._update_in[self.state](w)
 
-        delays = self._delays(stats)
-        pacable = any(d > 0.0 for d in delays)
-        frac = stats.skew_fraction
-        severe = frac >= cfg.activate_skew_fraction and pacable
-        calm = frac < cfg.deactivate_skew_fraction or not pacable
-        self._severe_streak = self._severe_streak + 1 if severe else 0
-        self._calm_streak = self._calm_streak + 1 if calm else 0
-        median = stats.median_step_ms
-        skew_note = f"skew {frac:.1%} of step ({stats.median_unpaced_skew_ms:.2f} of {median:.2f} ms)"
-
-        if cfg.mode == "monitor":
-            return self._set(stats.window, PolicyState.MONITOR, f"monitor mode; {skew_note}", zeros=True)
-        if cfg.mode == "forced":
-            return self._set(stats.window, PolicyState.PACING, f"forced mode; {skew_note}", delays=delays)
-
-        window_was_paced = self._last.pacing_active
-        if self.state is PolicyState.MONITOR:
-            self._remember_unpaced(median)
-            if self._severe_streak >= cfg.activate_windows:
-                self._start_trial()
-                return self._set(
-                    stats.window,
-                    PolicyState.PACING,
-                    f"severe for {self._severe_streak} windows ({skew_note}): pacing on, A/B trial starts",
-                    delays=delays,
-                )
-            return self._set(stats.window, PolicyState.MONITOR, f"monitoring; {skew_note}", zeros=True)
-
-        if self.state is PolicyState.PACING:
-            if self._calm_streak >= cfg.deactivate_windows:
-                return self._set(
-                    stats.window, PolicyState.MONITOR, f"calm ({skew_note}): pacing off", zeros=True
-                )
-            if window_was_paced:
-                self._paced_medians.append(median)
-                self._paced_since_probe += 1
-            if len(self._paced_medians) >= cfg.ab_windows:
-                paced = statistics.median(self._paced_medians)
-                base = self._baseline_ms if self._baseline_ms is not None else median
-                self._paced_medians = []
-                needed = max(cfg.min_gain_fraction * base, cfg.ab_noise_factor * self._noise_ms)
-                if base - paced < needed:
-                    self._state_windows = 0
-                    self._cooldown_len = self._next_cooldown()
-                    self._failed_checks += 1
-                    return self._set(
-                        stats.window,
-                        PolicyState.COOLDOWN,
-                        f"A/B: paced {paced:.2f} ms vs unpaced {base:.2f} ms ({paced / base - 1:+.2%}); "
-                        f"no gain of {needed:.2f} ms ({cfg.min_gain_fraction:.1%} of the step, or "
-                        f"{cfg.ab_noise_factor:g} x the comparison's noise {self._noise_ms:.2f} ms): "
-                        f"backing off for {self._cooldown_len} windows (failed check "
-                        f"{self._failed_checks} in a row)",
-                        zeros=True,
-                        paced_ms=paced,
-                    )
-                self._failed_checks = 0
-                if self._paced_since_probe >= cfg.probe_every_windows:
-                    self._state_windows = 0
-                    return self._set(
-                        stats.window,
-                        PolicyState.PROBE,
-                        f"A/B: paced {paced:.2f} ms vs {base:.2f} ms kept; probing unpaced again",
-                        zeros=True,
-                        paced_ms=paced,
-                    )
-                return self._set(
-                    stats.window,
-                    PolicyState.PACING,
-                    f"A/B: paced {paced:.2f} ms vs unpaced {base:.2f} ms ({paced / base - 1:+.2%}): kept",
-                    delays=delays,
-                    paced_ms=paced,
-                )
-            return self._set(stats.window, PolicyState.PACING, f"pacing; {skew_note}", delays=delays)
-
-        if self.state is PolicyState.PROBE:
-            if not window_was_paced:
-                self._remember_unpaced(median)
-                self._state_windows += 1
-            if self._state_windows >= cfg.ab_windows:
-                self._start_trial()
-                return self._set(
-                    stats.window,
-                    PolicyState.PACING,
-                    f"probe done: unpaced baseline {self._baseline_ms:.2f} ms; pacing again",
-                    delays=delays,
-                )
-            return self._set(stats.window, PolicyState.PROBE, f"probing unpaced; {skew_note}", zeros=True)
-
-        # COOLDOWN
-        self._remember_unpaced(median)
-        self._state_windows += 1
-        if self._state_windows >= self._cooldown_len:
-            self._severe_streak = 0
-            return self._set(stats.window, PolicyState.MONITOR, "cool-down over: monitoring", zeros=True)
+    # ------------------------------------------------------------------ one method per state
+    def _update_monitor(self, w: _Window) -> Decision:
+        """Measure the unpaced baseline; start an A/B trial after ``activate_windows`` severe windows."""
+        self._remember_unpaced(w.median_step_ms)
+        if self._severe_streak < self.config.activate_windows:
+            return self._set(w.index, PolicyState.MONITOR, f"monitoring; {w.note}")
+        self._start_trial()
         return self._set(
-            stats.window,
+            w.index,
+            PolicyState.PACING,
+            f"severe for {self._severe_streak} windows ({w.note}): pacing on, A/B trial starts",
+            delays=w.delays_ms,
+        )
+
+    def _update_pacing(self, w: _Window) -> Decision:
+        """Pace; once ``ab_windows`` paced windows are in, run the A/B check. Calm windows end pacing."""
+        if self._calm_streak >= self.config.deactivate_windows:
+            return self._set(w.index, PolicyState.MONITOR, f"calm ({w.note}): pacing off")
+        if w.was_paced:  # a PACING decision whose delays all came out 0 left the window unpaced
+            self._paced_medians.append(w.median_step_ms)
+            self._paced_since_probe += 1
+        if len(self._paced_medians) < self.config.ab_windows:
+            return self._set(w.index, PolicyState.PACING, f"pacing; {w.note}", delays=w.delays_ms)
+        return self._ab_check(w)
+
+    def _update_probe(self, w: _Window) -> Decision:
+        """Withhold delays for ``ab_windows`` unpaced windows, then pace again on the fresh baseline."""
+        if not w.was_paced:
+            self._count_unpaced(w.median_step_ms)
+        if self._state_windows < self.config.ab_windows:
+            return self._set(w.index, PolicyState.PROBE, f"probing unpaced; {w.note}")
+        self._start_trial()
+        return self._set(
+            w.index,
+            PolicyState.PACING,
+            f"probe done: unpaced baseline {self._baseline_ms:.2f} ms; pacing again",
+            delays=w.delays_ms,
+        )
+
+    def _update_cooldown(self, w: _Window) -> Decision:
+        """Stay unpaced for the cool-down's length, then monitor again from a fresh severity streak."""
+        self._count_unpaced(w.median_step_ms)
+        if self._state_windows < self._cooldown_len:
+            return self._set(
+                w.index, PolicyState.COOLDOWN, f"cool-down {self._state_windows}/{self._cooldown_len}"
+            )
+        self._severe_streak = 0
+        return self._set(w.index, PolicyState.MONITOR, "cool-down over: monitoring")
+
+    # ------------------------------------------------------------------ the A/B check
+    def _ab_check(self, w: _Window) -> Decision:
+        """Compare the trial's paced median with the unpaced baseline: keep pacing, probe, or back off."""
+        cfg = self.config
+        paced = statistics.median(self._paced_medians)
+        base = self._baseline_ms if self._baseline_ms is not None else w.median_step_ms
+        self._paced_medians = []
+        needed = max(cfg.min_gain_fraction * base, cfg.ab_noise_factor * self._noise_ms)
+        if base - paced < needed:
+            return self._back_off(w.index, paced, base, needed)
+        self._failed_checks = 0
+        if self._paced_since_probe >= cfg.probe_every_windows:
+            self._state_windows = 0
+            return self._set(
+                w.index,
+                PolicyState.PROBE,
+                f"A/B: paced {paced:.2f} ms vs {base:.2f} ms kept; probing unpaced again",
+                paced_ms=paced,
+            )
+        return self._set(
+            w.index,
+            PolicyState.PACING,
+            f"A/B: paced {paced:.2f} ms vs unpaced {base:.2f} ms ({paced / base - 1:+.2%}): kept",
+            delays=w.delays_ms,
+            paced_ms=paced,
+        )
+
+    def _back_off(self, window: int, paced_ms: float, base_ms: float, needed_ms: float) -> Decision:
+        """The check failed: cool down, for longer after each failed check in a row."""
+        cfg = self.config
+        self._state_windows = 0
+        self._cooldown_len = self._next_cooldown()
+        self._failed_checks += 1
+        return self._set(
+            window,
             PolicyState.COOLDOWN,
-            f"cool-down {self._state_windows}/{self._cooldown_len}",
-            zeros=True,
+            f"A/B: paced {paced_ms:.2f} ms vs unpaced {base_ms:.2f} ms ({paced_ms / base_ms - 1:+.2%}); "
+            f"no gain of {needed_ms:.2f} ms ({cfg.min_gain_fraction:.1%} of the step, or "
+            f"{cfg.ab_noise_factor:g} x the comparison's noise {self._noise_ms:.2f} ms): "
+            f"backing off for {self._cooldown_len} windows (failed check "
+            f"{self._failed_checks} in a row)",
+            paced_ms=paced_ms,
         )
 
     def _start_trial(self) -> None:
@@ -192,6 +200,42 @@ class PacingPolicy:
             return cfg.cooldown_windows
         # from the previous length, not growth**n: no float overflow however long the run
         return min(math.ceil(self._cooldown_len * cfg.cooldown_growth), cfg.max_cooldown_windows)
+
+    # ------------------------------------------------------------------ shared by every state
+    def _observe(self, stats: WindowStats) -> _Window:
+        """This window's delays and the severe / calm streaks (kept in every mode and state)."""
+        cfg = self.config
+        delays = self._delays(stats)
+        pacable = any(d > 0.0 for d in delays)
+        frac = stats.skew_fraction
+        severe = frac >= cfg.activate_skew_fraction and pacable
+        calm = frac < cfg.deactivate_skew_fraction or not pacable
+        self._severe_streak = self._severe_streak + 1 if severe else 0
+        self._calm_streak = self._calm_streak + 1 if calm else 0
+        median = stats.median_step_ms
+        return _Window(
+            index=stats.window,
+            median_step_ms=median,
+            delays_ms=delays,
+            note=f"skew {frac:.1%} of step ({stats.median_unpaced_skew_ms:.2f} of {median:.2f} ms)",
+            was_paced=self._last.pacing_active,
+        )
+
+    def _keep_last(self, window: int) -> Decision:
+        """A window without usable steps says nothing: same state and delays, no streak moves."""
+        self._last = Decision(
+            window=window,
+            state=self.state,
+            delays_ms=self._last.delays_ms,
+            reason="no usable steps in window (warm-up or sync point not seen): decision unchanged",
+            baseline_step_ms=self._baseline_ms,
+        )
+        return self._last
+
+    def _count_unpaced(self, median_ms: float) -> None:
+        """One more unpaced window of the current PROBE / COOLDOWN, kept as a baseline candidate."""
+        self._remember_unpaced(median_ms)
+        self._state_windows += 1
 
     def _remember_unpaced(self, median_ms: float) -> None:
         self._unpaced_medians.append(median_ms)
@@ -219,17 +263,13 @@ class PacingPolicy:
         return tuple(float(d) for d in delays.tolist())
 
     def _decision(
-        self,
-        window: int,
-        reason: str,
-        delays: tuple[float, ...] | None = None,
-        zeros: bool = False,
-        paced_ms: float | None = None,
+        self, window: int, reason: str, delays: tuple[float, ...] | None = None, paced_ms: float | None = None
     ) -> Decision:
+        """A decision in the current state; no ``delays``: nobody is paced."""
         return Decision(
             window=window,
             state=self.state,
-            delays_ms=(0.0,) * self.world_size if zeros or delays is None else delays,
+            delays_ms=(0.0,) * self.world_size if delays is None else delays,
             reason=reason,
             baseline_step_ms=self._baseline_ms,
             paced_step_ms=paced_ms,
@@ -241,9 +281,9 @@ class PacingPolicy:
         state: PolicyState,
         reason: str,
         delays: tuple[float, ...] | None = None,
-        zeros: bool = False,
         paced_ms: float | None = None,
     ) -> Decision:
+        """Move to ``state`` and make the decision that goes with it the last one."""
         self.state = state
-        self._last = self._decision(window, reason, delays=delays, zeros=zeros, paced_ms=paced_ms)
+        self._last = self._decision(window, reason, delays=delays, paced_ms=paced_ms)
         return self._last

@@ -28,7 +28,6 @@ class Field(enum.IntEnum):
     DATA_MS = 7  #: time the training loop was blocked fetching this step's input (``add_data_wait``)
     GAP_MS = 8  #: previous step's collective completion -> this batch ready (optimizer, loop, input, ...)
     BUCKETS = 9  #: buckets (DDP comm-hook monitor; 0: not timed) or collectives (FSDP) handed off
-    HANDOFF_SPAN_MS = 10  #: first -> last hand-off (how far computation overlapped communication)
 
 
 NUM_FIELDS = len(Field)

@@ -1,13 +1,17 @@
-"""Skew math of the glossary, vectorized over one gathered window of per-rank step records."""
+"""Skew math of the glossary, vectorized over one gathered window of per-rank step records.
+
+The formulas themselves live in :mod:`pace_strategy.core.glossary`; here they are applied with ranks on
+dim 0 of torch tensors.
+"""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from pace_strategy.core import glossary
+from pace_strategy.core.glossary import coefficient_of_variation
 from pace_strategy.core.records import Field
 
 __all__ = ["WindowStats", "coefficient_of_variation", "lead", "pacable_lead", "skew", "window_stats"]
@@ -18,12 +22,12 @@ def skew(wait_ms: torch.Tensor) -> torch.Tensor:
 
     Clock-free: the latest rank waits least and collectives complete at nearly the same time on all ranks.
     """
-    return wait_ms.amax(dim=0) - wait_ms.amin(dim=0)
+    return glossary.skew_ms(wait_ms, rank_axis=0)
 
 
 def lead(wait_ms: torch.Tensor) -> torch.Tensor:
     """How early each rank arrived: ``wait_r - min(wait)`` (ranks on dim 0). The straggler has lead 0."""
-    return wait_ms - wait_ms.amin(dim=0, keepdim=True)
+    return glossary.lead_ms(wait_ms, rank_axis=0)
 
 
 def pacable_lead(wait_ms: torch.Tensor, delay_ms: torch.Tensor, compute_ms: torch.Tensor) -> torch.Tensor:
@@ -35,22 +39,9 @@ def pacable_lead(wait_ms: torch.Tensor, delay_ms: torch.Tensor, compute_ms: torc
     or late by its waits although its compute is normal; taking the minimum of both never paces a rank
     for lateness that the network caused.
     """
-    unpaced = wait_ms + delay_ms
-    wait_lead = unpaced - unpaced.amin(dim=0, keepdim=True)
+    wait_lead = lead(wait_ms + delay_ms)
     compute_lead = compute_ms.amax(dim=0, keepdim=True) - compute_ms
     return torch.minimum(wait_lead, compute_lead).clamp_min(0.0)
-
-
-def coefficient_of_variation(values: Sequence[float]) -> float:
-    """Population standard deviation over mean; 0.0 for fewer than two values or a zero mean."""
-    n = len(values)
-    if n < 2:
-        return 0.0
-    mean = sum(values) / n
-    if mean <= 0.0:
-        return 0.0
-    var = sum((v - mean) ** 2 for v in values) / n
-    return math.sqrt(var) / mean
 
 
 @dataclass(frozen=True)
@@ -94,7 +85,7 @@ def window_stats(window: int, gathered: torch.Tensor) -> WindowStats:
     compute = rows[:, :, Field.COMPUTE_MS]
     step_ms = rows[:, :, Field.STEP_MS].amax(dim=0)
     unpaced_skew = skew(wait + delay)
-    stragglers = torch.bincount(wait.argmin(dim=0), minlength=world_size)
+    stragglers = torch.bincount(glossary.straggler_rank(wait, rank_axis=0), minlength=world_size)
     return WindowStats(
         window=window,
         world_size=world_size,

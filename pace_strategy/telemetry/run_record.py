@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from pace_strategy.core.glossary import coefficient_of_variation
 from pace_strategy.core.records import Decision, StepSummary
-from pace_strategy.core.skew import coefficient_of_variation
 
 __all__ = [
     "RECORD_FILENAME",

@@ -6,9 +6,10 @@ import os
 import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # only a rank that is training places itself; readers of the record need no torch
+    import torch
 
 __all__ = ["RankPlacement", "local_placement"]
 
@@ -38,6 +39,8 @@ def _env_int(*names: str) -> int:
 
 
 def _cuda_numa_node(device: torch.device) -> int | None:
+    import torch
+
     try:
         props = torch.cuda.get_device_properties(device)
         ids = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]

@@ -10,6 +10,8 @@ import torch
 from pace_strategy import PaceDistributedError, PaceTimeoutError, PacingConfig
 from pace_strategy.core.comm import gather_json
 from pace_strategy.core.pacer import Pacer
+from pace_strategy.core.summary import StepSummarizer
+from pace_strategy.session import PacingSession
 from tests.distributed.ranks import raise_first, run_ranks
 
 
@@ -29,6 +31,12 @@ def train_steps(pacer, group, rank, steps, compute_ms):
     return results + pacer.flush()
 
 
+def summarize(cfg, windows):
+    """One rank's per-step records: one summarizer over its windows, in order."""
+    summarizer = StepSummarizer(cfg.cv_window_steps)
+    return [s for w in windows for s in summarizer.summarize(w.gathered)]
+
+
 @pytest.mark.timeout(60)
 def test_injected_straggler_is_detected_by_every_rank_identically():
     cfg = PacingConfig(mode="monitor", exchange_every_steps=5, warmup_steps=2)
@@ -38,7 +46,7 @@ def test_injected_straggler_is_detected_by_every_rank_identically():
         return train_steps(pacer, group, rank, 24, lambda r, s: 5.0 + (30.0 if r == 2 else 0.0))
 
     per_rank = raise_first(run_ranks(4, fn))
-    summaries = [[s for w in windows for s in w.summaries] for windows in per_rank]
+    summaries = [summarize(cfg, windows) for windows in per_rank]
     assert all(len(s) == 24 for s in summaries)
     # every rank computed exactly the same summaries from the gathered data
     assert all(s == summaries[0] for s in summaries[1:])
@@ -129,3 +137,23 @@ def test_gather_json_collects_every_rank():
         run_ranks(3, lambda rank, g: gather_json(g, rank, 3, {"rank": rank, "h": "x" * rank}, 10))
     )
     assert results[0] == results[1] == results[2] == [{"rank": r, "h": "x" * r} for r in range(3)]
+
+
+@pytest.mark.timeout(30)
+def test_session_start_gathers_every_ranks_placement():
+    def fn(rank, group):
+        session = PacingSession.start(
+            PacingConfig(run_record=False),
+            rank=rank,
+            world_size=3,
+            device=torch.device("cpu"),
+            group=group,
+            framework="test",
+            local_rank=rank,
+        )
+        session.close()
+        return session.topology
+
+    results = raise_first(run_ranks(3, fn))
+    assert results[0] == results[1] == results[2]
+    assert [(p["rank"], p["local_rank"]) for p in results[0]] == [(0, 0), (1, 1), (2, 2)]

@@ -5,6 +5,13 @@ import torch
 from pace_strategy.core.clock import ManualClock
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.pacer import Pacer
+from pace_strategy.core.summary import StepSummarizer
+
+
+def summaries(*results):
+    """The per-step records of consecutive windows, as the session's telemetry thread builds them."""
+    summarizer = StepSummarizer(PacingConfig().cv_window_steps)
+    return [s for r in results for s in summarizer.summarize(r.gathered)]
 
 
 def run_step(pacer, clock, step, data_ms=2.0, compute_ms=30.0, wait_ms=5.0, opt_ms=1.0):
@@ -29,8 +36,8 @@ def test_measures_each_duration_of_the_step():
     # The window's exchange is launched at the end of step 3 and collected at the end of step 4.
     assert [run_step(pacer, clock, s) for s in range(4)] == [None] * 4
     window = run_step(pacer, clock, 4)
-    assert window.window == 0 and [x.step for x in window.summaries] == [0, 1, 2, 3]
-    s = window.summaries[2]
+    assert window.window == 0 and [x.step for x in summaries(window)] == [0, 1, 2, 3]
+    s = summaries(window)[2]
     assert s.step == 2 and s.valid and not s.warmup
     assert s.compute_ms == (30.0,)  # batch ready -> first bucket
     assert s.data_ms == (2.0,)
@@ -38,7 +45,7 @@ def test_measures_each_duration_of_the_step():
     assert s.rank_step_ms == (38.0,)  # previous step's end -> this step's end
     assert s.gap_ms == (3.0,)  # previous collective completion -> batch ready (optimizer + input)
     assert s.buckets == 2
-    assert window.summaries[0].warmup and not window.summaries[1].warmup
+    assert summaries(window)[0].warmup and not summaries(window)[1].warmup
 
 
 def test_grad_ready_path_measures_the_same_durations_without_buckets():
@@ -53,7 +60,7 @@ def test_grad_ready_path_measures_the_same_durations_without_buckets():
         clock.advance(1.0)
         window = pacer.end_step()
     assert window is not None
-    s = window.summaries[0]
+    s = summaries(window)[0]
     assert s.valid and s.compute_ms == (30.0,) and s.wait_ms == (5.0,) and s.buckets == 0
 
 
@@ -76,8 +83,8 @@ def test_flush_exchanges_a_partial_window():
     for s in range(3):
         assert run_step(pacer, clock, s) is None
     results = pacer.flush()
-    assert [len(r.summaries) for r in results] == [3]
-    assert [s.step for s in results[0].summaries] == [0, 1, 2]
+    assert [len(summaries(r)) for r in results] == [3]
+    assert [s.step for s in summaries(results[0])] == [0, 1, 2]
     assert pacer.flush() == []
 
 
@@ -88,7 +95,7 @@ def test_a_step_without_the_sync_point_is_marked_invalid():
     clock.advance(5.0)
     pacer.end_step()
     (result,) = pacer.flush()
-    assert not result.summaries[0].valid
+    assert not summaries(result)[0].valid
     assert result.stats.steps == 0
 
 
@@ -112,7 +119,7 @@ def test_fsdp_collectives_sum_their_blocked_time_and_the_first_one_is_paced():
     clock.advance(1.0)
     pacer.end_step()
     (window,) = pacer.flush()
-    s = window.summaries[0]
+    s = summaries(window)[0]
     assert s.wait_ms == (5.0,)  # 3 + 2: time blocked in collectives, not the span between them
     assert s.compute_ms == (11.0,)  # 1 + 10: batch ready -> last collective done, less waits and delay
     assert s.delay_ms == (4.0,) and s.buckets == 2

@@ -5,15 +5,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import pytest
 import torch
 
+import pace_strategy.session
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.session import PacingSession
 
 
 def _session(tmp_path, **kwargs) -> PacingSession:
     config = PacingConfig(exchange_every_steps=4, warmup_steps=0, **kwargs.pop("config", {}))
-    return PacingSession(
+    return PacingSession.start(
         config, rank=0, world_size=1, device=torch.device("cpu"), group=None, framework="test", **kwargs
     )
 
@@ -50,3 +52,23 @@ def test_without_sinks_no_telemetry_thread_runs_but_warnings_are_still_logged(tm
         session.publish(dataclasses.replace(results[0], warnings=("rank 3 is a persistent straggler",)))
     assert "rank 3 is a persistent straggler" in caplog.text
     session.finish()
+
+
+def test_the_constructor_is_local_and_takes_the_gathered_topology(monkeypatch):
+    def no_collective(*args, **kwargs):
+        raise AssertionError("the constructor ran a collective")
+
+    monkeypatch.setattr(pace_strategy.session, "gather_json", no_collective)
+    topology = [{"rank": r, "host": f"node{r}"} for r in range(2)]
+    kwargs = dict(rank=1, world_size=2, device=torch.device("cpu"), group=None, framework="test")
+    session = PacingSession(PacingConfig(), topology=topology, **kwargs)
+    assert session.topology == topology and session.record is None
+    with pytest.raises(ValueError, match="topology has 1 placements but world_size is 2"):
+        PacingSession(PacingConfig(), topology=topology[:1], **kwargs)
+
+
+def test_start_gathers_this_ranks_placement(tmp_path):
+    session = _session(tmp_path, local_rank=3)
+    (placement,) = session.topology
+    assert placement["rank"] == 0 and placement["local_rank"] == 3
+    session.close()
