@@ -2,13 +2,14 @@
 
 from pace_strategy.diagnose.arrays import RunArrays, find_run_record, load_arrays
 from pace_strategy.diagnose.config import DiagnosisConfig
-from pace_strategy.diagnose.findings import MODES, Diagnosis, Finding, diagnose
+from pace_strategy.diagnose.findings import MODES, Diagnosis, Finding, Mode, diagnose
 
 __all__ = [
     "MODES",
     "Diagnosis",
     "DiagnosisConfig",
     "Finding",
+    "Mode",
     "RunArrays",
     "diagnose",
     "find_run_record",

@@ -11,7 +11,10 @@ import numpy as np
 
 from pace_strategy.telemetry.run_record import RECORD_FILENAME, TRUNCATED, RunRecordError, iter_run_record
 
-__all__ = ["RunArrays", "find_run_record", "load_arrays"]
+__all__ = ["RANK_AXIS", "RunArrays", "find_run_record", "load_arrays"]
+
+#: per-rank arrays are ``[steps, ranks]``: the axis the glossary functions reduce over
+RANK_AXIS = 1
 
 _RANK_FIELDS = ("wait_ms", "compute_ms", "delay_ms", "data_ms", "gap_ms", "step_ms")
 

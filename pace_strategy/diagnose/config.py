@@ -11,20 +11,50 @@ from pace_strategy.core.errors import PacingConfigError
 
 __all__ = ["DiagnosisConfig"]
 
+#: fields that are shares or fractions of something, so must lie in (0, 1]
+_SHARES = (
+    "persistent_share",
+    "compute_late_fraction",
+    "locality_share",
+    "locality_spread_fraction",
+    "spread_entropy",
+    "data_share",
+    "data_straggler_share",
+)
+
 
 @dataclass(frozen=True, kw_only=True)
 class DiagnosisConfig:
     """Thresholds that decide which failure mode a run record shows. Our own design, like every
     constant of the project; override with ``pace diagnose --set FIELD=VALUE``."""
 
+    min_steps: int = field(
+        default=10,
+        metadata=doc("Fewer usable steps than this and the record is not diagnosed (too few to count)."),
+    )
     persistent_share: float = field(
         default=0.5, metadata=doc("A rank last in at least this share of steps is a persistent straggler.")
+    )
+    compute_late_fraction: float = field(
+        default=0.5,
+        metadata=doc(
+            """A persistent straggler whose own compute exceeds the other ranks' median by at least this
+            fraction of its lateness is slow itself (``persistent_straggler``); below it, the rank started
+            late behind a slower network path (``fabric_contention``)."""
+        ),
     )
     locality_share: float = field(
         default=0.8,
         metadata=doc(
             """A place (one local rank index across nodes, or one host) holding the straggler in at least
             this share of steps is a locality problem."""
+        ),
+    )
+    locality_spread_fraction: float = field(
+        default=0.5,
+        metadata=doc(
+            """A rank of that local index counts towards the spread over nodes when it was last in at least
+            this fraction of an even split of the index's straggler share (0.5: half its fair part)."""
         ),
     )
     slow_ms_floor: float = field(
@@ -48,7 +78,18 @@ class DiagnosisConfig:
         ),
     )
     heavy_tail_ratio: float = field(
-        default=2.0, metadata=doc("Skew p99 / p50 at or above which the skew is heavy-tailed.")
+        default=2.0,
+        metadata=doc(
+            """Skew p99 / p50 at or above which the skew is heavy-tailed; transfer time p95 / p50 at or
+            above which it is unstable."""
+        ),
+    )
+    growth_ratio: float = field(
+        default=1.2,
+        metadata=doc(
+            """Expected slowest-rank excess at all ranks over that at 2 ranks above which the amplification
+            grows with the number of ranks (raises the ``sync_amplification`` confidence)."""
+        ),
     )
     transfer_step_fraction: float = field(
         default=0.25,
@@ -68,6 +109,14 @@ class DiagnosisConfig:
             steps it was last) has a data-loading stall."""
         ),
     )
+    data_straggler_share: float = field(
+        default=0.1,
+        metadata=doc("Only a rank last in at least this share of steps is checked for a data-loading stall."),
+    )
+    data_straggler_steps: int = field(
+        default=5,
+        metadata=doc("Only a rank last in at least this many steps is checked for a data-loading stall."),
+    )
     max_heatmap_rows: int = field(
         default=128, metadata=doc("Above this many ranks the lead heat map aggregates by node.")
     )
@@ -83,11 +132,16 @@ class DiagnosisConfig:
                     f"DiagnosisConfig.{f.name}={value!r} is invalid: expected a number >= 0. "
                     f"Fix: pass --set {f.name}=<number>."
                 )
-        for name in ("persistent_share", "locality_share", "spread_entropy", "data_share"):
+        for name in _SHARES:
             if not 0 < getattr(self, name) <= 1:
                 raise PacingConfigError(
                     f"DiagnosisConfig.{name}={getattr(self, name)!r} is invalid: expected 0 < value <= 1."
                 )
+        if self.min_steps < 1:
+            raise PacingConfigError(
+                f"DiagnosisConfig.min_steps={self.min_steps!r} is invalid: expected at least 1 step "
+                "(the statistics need one). Fix: pass --set min_steps=<steps>."
+            )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> DiagnosisConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -9,27 +10,66 @@ from typing import Any
 
 import numpy as np
 
-from pace_strategy.diagnose.arrays import RunArrays
+from pace_strategy.core.glossary import lead_ms, skew_ms, straggler_rank, transfer_ms
+from pace_strategy.diagnose.arrays import RANK_AXIS, RunArrays
 from pace_strategy.diagnose.config import DiagnosisConfig
 
-__all__ = ["Diagnosis", "Finding", "diagnose"]
+__all__ = ["MODES", "Diagnosis", "Finding", "Mode", "diagnose"]
 
-MODES = (
-    "persistent_straggler",
-    "locality",
-    "sync_amplification",
-    "fabric_contention",
-    "data_stall",
-    "unexplained_skew",
-    "healthy",
-)
+
+class Mode(str, enum.Enum):
+    """The failure modes a diagnosis names; the values are the strings of ``--json`` and the docs."""
+
+    PERSISTENT_STRAGGLER = "persistent_straggler"
+    LOCALITY = "locality"
+    SYNC_AMPLIFICATION = "sync_amplification"
+    FABRIC_CONTENTION = "fabric_contention"
+    DATA_STALL = "data_stall"
+    UNEXPLAINED_SKEW = "unexplained_skew"
+    HEALTHY = "healthy"
+
+    def __str__(self) -> str:
+        # Python 3.11 formats str-mixin enums as "Mode.HEALTHY" in f-strings; reports print the value.
+        return self.value
+
+
+#: the mode strings, in declaration order
+MODES: tuple[str, ...] = tuple(m.value for m in Mode)
+
+# Structural minimums, not tunable: skew needs a second rank, and a slowness "follows a place" only if
+# it shows on at least two places (one place is one rank or one host, reported as such).
+_MIN_RANKS = 2
+_MIN_PLACES = 2
+
+# Fixed confidences (0..1). They rank findings for the reader and decide nothing, so they are not
+# thresholds of DiagnosisConfig.
+_UNEXPLAINED_CONFIDENCE = 0.3  #: lost time with no pattern: a pointer to the heat map, no more
+_LATE_START_CONFIDENCE_FACTOR = 0.8  #: a slow path is inferred from start gaps, not measured on it
+_FABRIC_BASE_CONFIDENCE = 0.6  #: plus _FABRIC_SIGNAL_CONFIDENCE for each of "inflated", "unstable"
+_FABRIC_SIGNAL_CONFIDENCE = 0.2
+_AMPLIFICATION_BASE_CONFIDENCE = 0.5  #: plus _AMPLIFICATION_SIGNAL_CONFIDENCE for each of heavy tail, growth
+_AMPLIFICATION_SIGNAL_CONFIDENCE = 0.25
+
+# Which statistics the evidence quotes (and the docs name): skew p99/p50, transfer p95/p50; the transfer
+# time's floor (its best case, for what a steadier fabric would save) is its 5th percentile.
+_SKEW_TAIL_PERCENTILE = 99
+_TRANSFER_TAIL_PERCENTILE = 95
+_TRANSFER_FLOOR_PERCENTILE = 5
+
+# The amplification curve: slowest-of-k excess for k = 2, 4, ... up to W, on a fixed-seed sample of steps
+# (a sample is plenty for a mean, and the seed keeps the report reproducible).
+_GROWTH_RANK_COUNTS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_GROWTH_SAMPLE_STEPS = 5000
+_GROWTH_SEED = 0
+
+_EPSILON = 1e-9  #: keeps ratios finite where a denominator (ms or share) is zero
 
 
 @dataclass(frozen=True)
 class Finding:
     """One diagnosed problem (or ``healthy``)."""
 
-    mode: str
+    mode: Mode
     ranks: list[int]
     hosts: list[str]
     confidence: float  #: 0..1
@@ -39,7 +79,8 @@ class Finding:
     details: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain containers for JSON; ``mode`` as its string."""
+        return {**asdict(self), "mode": self.mode.value}
 
 
 @dataclass(frozen=True)
@@ -72,16 +113,16 @@ class _Run:
         self.W = a.world_size
         self.S = a.steps
         w = a.wait
-        self.transfer = w.min(axis=1)
-        self.lead = w - self.transfer[:, None]
-        self.straggler = w.argmin(axis=1)
+        self.transfer = transfer_ms(w, RANK_AXIS)
+        self.lead = lead_ms(w, RANK_AXIS)
+        self.straggler = straggler_rank(w, RANK_AXIS)
         self.counts = np.bincount(self.straggler, minlength=self.W)
         self.share = self.counts / max(self.S, 1)
         self.median_wait = np.median(w, axis=1)
         self.lost_per_step = self.lead.mean(axis=1)
         self.total_step = float(a.step_ms.sum())
         self.median_step = float(np.median(a.step_ms))
-        self.skew = w.max(axis=1) - self.transfer
+        self.skew = skew_ms(w, RANK_AXIS)
         self.hosts = [str(h) if h is not None else "?" for h in a.topology("host")]
         nodes = a.topology("node_rank")
         self.nodes = [n if n is not None and n >= 0 else self.hosts[r] for r, n in enumerate(nodes)]
@@ -120,7 +161,7 @@ def diagnose(a: RunArrays, cfg: DiagnosisConfig | None = None) -> Diagnosis:
         notes.append("the record has no end line: the run did not finish cleanly")
     elif a.end.get("status") == "failed":
         notes.append(f"the run failed: {a.end.get('error')}")
-    if a.steps < 10 or a.world_size < 2:
+    if a.steps < cfg.min_steps or a.world_size < _MIN_RANKS:
         return Diagnosis(
             findings=[],
             summary=f"not enough data to diagnose: {a.steps} usable steps, {a.world_size} ranks",
@@ -147,10 +188,10 @@ def diagnose(a: RunArrays, cfg: DiagnosisConfig | None = None) -> Diagnosis:
         else:
             findings.append(
                 Finding(
-                    mode="unexplained_skew",
+                    mode=Mode.UNEXPLAINED_SKEW,
                     ranks=[],
                     hosts=[],
-                    confidence=0.3,
+                    confidence=_UNEXPLAINED_CONFIDENCE,
                     lost_step_fraction=total_lost,
                     evidence=(
                         f"ranks lose {_pct(total_lost)} of step time waiting at the sync point, but no "
@@ -167,7 +208,7 @@ def diagnose(a: RunArrays, cfg: DiagnosisConfig | None = None) -> Diagnosis:
         "world_size": run.W,
         "median_step_ms": run.median_step,
         "skew_ms_p50": float(np.percentile(run.skew, 50)),
-        "skew_ms_p99": float(np.percentile(run.skew, 99)),
+        "skew_ms_p99": float(np.percentile(run.skew, _SKEW_TAIL_PERCENTILE)),
         "transfer_ms_p50": float(np.median(run.transfer)),
         "lost_step_fraction": total_lost,
         "straggler_share": {int(r): float(s) for r, s in enumerate(run.share) if s > 0},
@@ -175,8 +216,8 @@ def diagnose(a: RunArrays, cfg: DiagnosisConfig | None = None) -> Diagnosis:
     }
     head = findings[0]
     summary = (
-        f"{head.mode.replace('_', ' ')}: {head.evidence}"
-        if head.mode != "healthy"
+        f"{head.mode.value.replace('_', ' ')}: {head.evidence}"
+        if head.mode is not Mode.HEALTHY
         else f"healthy: {head.evidence}"
     )
     return Diagnosis(findings=findings, summary=summary, stats=stats, thresholds=cfg.to_dict(), notes=notes)
@@ -185,10 +226,10 @@ def diagnose(a: RunArrays, cfg: DiagnosisConfig | None = None) -> Diagnosis:
 def _healthy(run: _Run, total_lost: float) -> Finding:
     top = int(run.share.argmax())
     return Finding(
-        mode="healthy",
+        mode=Mode.HEALTHY,
         ranks=[],
         hosts=[],
-        confidence=1.0 - total_lost / max(run.cfg.healthy_lost_fraction, 1e-9),
+        confidence=1.0 - total_lost / max(run.cfg.healthy_lost_fraction, _EPSILON),
         lost_step_fraction=total_lost,
         evidence=(
             f"skew {np.median(run.skew):.1f} ms at the median ({_pct(np.median(run.skew) / run.median_step)} "
@@ -201,19 +242,20 @@ def _healthy(run: _Run, total_lost: float) -> Finding:
 
 def _data_stall(run: _Run, explained: set[int]) -> list[Finding]:
     out = []
+    cfg = run.cfg
     noise = run.noise_ms()
     for r in range(run.W):
         mask = run.straggler == r
-        if run.share[r] < 0.1 or mask.sum() < 5:
+        if run.share[r] < cfg.data_straggler_share or mask.sum() < cfg.data_straggler_steps:
             continue
         late = run.late_ms([r], mask)
         excess = (run.a.data[:, r] - run.others_median(run.a.data, [r]))[mask]
-        explained_share = float(np.median(np.clip(excess, 0, None) / np.maximum(late, 1e-9)))
-        if np.median(excess) >= noise and explained_share >= run.cfg.data_share:
+        explained_share = float(np.median(np.clip(excess, 0, None) / np.maximum(late, _EPSILON)))
+        if np.median(excess) >= noise and explained_share >= cfg.data_share:
             explained.add(r)
             out.append(
                 Finding(
-                    mode="data_stall",
+                    mode=Mode.DATA_STALL,
                     ranks=[r],
                     hosts=run.hosts_of([r]),
                     confidence=min(1.0, explained_share) * float(run.share[r]) ** 0.5,
@@ -239,21 +281,21 @@ def _locality(run: _Run, explained: set[int]) -> list[Finding]:
     node_ids = sorted(set(map(str, run.nodes)))
     # the same local rank index slow on every node; with one rank per node every rank has the same
     # index, which then says nothing about place (a moving straggler is not locality)
-    if len(node_ids) >= 2 and min(run.local) >= 0 and len(set(run.local)) >= 2:
+    if len(node_ids) >= _MIN_PLACES and min(run.local) >= 0 and len(set(run.local)) >= _MIN_PLACES:
         local_of = np.asarray(run.local)[run.straggler]
         counts = Counter(local_of.tolist())
         index, hits = counts.most_common(1)[0]
         share = hits / run.S
         members = [r for r in range(run.W) if run.local[r] == index]
         member_shares = [float(run.share[r]) for r in members]
-        spread = sum(s >= 0.5 * share / len(members) for s in member_shares)
-        if share >= cfg.locality_share and len(members) >= 2 and spread >= 2:
+        spread = sum(s >= cfg.locality_spread_fraction * share / len(members) for s in member_shares)
+        if share >= cfg.locality_share and len(members) >= _MIN_PLACES and spread >= _MIN_PLACES:
             mask = np.isin(run.straggler, members)
             explained.update(members)
             excess = float(np.median(run.late_ms(members, mask)))
             out.append(
                 Finding(
-                    mode="locality",
+                    mode=Mode.LOCALITY,
                     ranks=members,
                     hosts=run.hosts_of(members),
                     confidence=share,
@@ -278,14 +320,14 @@ def _locality(run: _Run, explained: set[int]) -> list[Finding]:
     host, hits = counts.most_common(1)[0]
     share = hits / run.S
     members = [r for r in range(run.W) if run.hosts[r] == host]
-    if len(set(run.hosts)) >= 2 and len(members) >= 2 and share >= cfg.locality_share:
+    if len(set(run.hosts)) >= _MIN_PLACES and len(members) >= _MIN_PLACES and share >= cfg.locality_share:
         member_shares = [float(run.share[r]) for r in members]
         if max(member_shares) < cfg.persistent_share:  # the straggler moves between the host's ranks
             mask = np.isin(run.straggler, members)
             explained.update(members)
             out.append(
                 Finding(
-                    mode="locality",
+                    mode=Mode.LOCALITY,
                     ranks=members,
                     hosts=[host],
                     confidence=share,
@@ -316,10 +358,10 @@ def _persistent_or_late_start(run: _Run, explained: set[int]) -> list[Finding]:
             continue
         compute_late = float(np.median((run.a.compute[:, r] - run.others_median(run.a.compute, [r]))[mask]))
         explained.add(r)
-        if compute_late >= 0.5 * late:
+        if compute_late >= run.cfg.compute_late_fraction * late:
             out.append(
                 Finding(
-                    mode="persistent_straggler",
+                    mode=Mode.PERSISTENT_STRAGGLER,
                     ranks=[r],
                     hosts=run.hosts_of([r]),
                     confidence=float(run.share[r]),
@@ -340,10 +382,10 @@ def _persistent_or_late_start(run: _Run, explained: set[int]) -> list[Finding]:
             gap_others = float(np.median(run.others_median(run.a.gap, [r])[mask]))
             out.append(
                 Finding(
-                    mode="fabric_contention",
+                    mode=Mode.FABRIC_CONTENTION,
                     ranks=[r],
                     hosts=run.hosts_of([r]),
-                    confidence=float(run.share[r]) * 0.8,
+                    confidence=float(run.share[r]) * _LATE_START_CONFIDENCE_FACTOR,
                     lost_step_fraction=run.lost_when(mask),
                     evidence=(
                         f"{run.a.describe_rank(r)} arrived last in {_pct(float(run.share[r]))} of "
@@ -374,15 +416,17 @@ def _fabric(run: _Run, explained: set[int]) -> list[Finding]:
     t = run.transfer
     med = float(np.median(t))
     cv = float(t.std() / t.mean()) if t.mean() > 0 else 0.0
-    p95 = float(np.percentile(t, 95))
-    compute_cv = float(np.median(run.a.compute.std(axis=0) / np.maximum(run.a.compute.mean(axis=0), 1e-9)))
+    p95 = float(np.percentile(t, _TRANSFER_TAIL_PERCENTILE))
+    compute_cv = float(
+        np.median(run.a.compute.std(axis=0) / np.maximum(run.a.compute.mean(axis=0), _EPSILON))
+    )
     inflated = med >= cfg.transfer_step_fraction * run.median_step
     unstable = cv >= cfg.transfer_cv or (med > 0 and p95 / med >= cfg.heavy_tail_ratio)
     if not (inflated and compute_cv <= cfg.compute_cv_steady) and not (
         unstable and med >= run.noise_ms() and compute_cv <= cfg.compute_cv_steady
     ):
         return []
-    floor = float(np.percentile(t, 5))
+    floor = float(np.percentile(t, _TRANSFER_FLOOR_PERCENTILE))
     variable = float((t - floor).sum()) / run.total_step
     # Inflated: without a baseline of this fabric at its best, the whole transfer is the upper bound.
     lost = max(variable, med / run.median_step) if inflated else variable
@@ -396,10 +440,12 @@ def _fabric(run: _Run, explained: set[int]) -> list[Finding]:
         what.append(f"unstable (CV {cv:.2f}, p95 {p95:.1f} ms)")
     return [
         Finding(
-            mode="fabric_contention",
+            mode=Mode.FABRIC_CONTENTION,
             ranks=list(range(run.W)),
             hosts=sorted(set(run.hosts)),
-            confidence=0.6 + 0.2 * inflated + 0.2 * unstable,
+            confidence=_FABRIC_BASE_CONFIDENCE
+            + _FABRIC_SIGNAL_CONFIDENCE * inflated
+            + _FABRIC_SIGNAL_CONFIDENCE * unstable,
             lost_step_fraction=lost,
             evidence=" and ".join(what) + f", while compute is steady (per-rank CV {compute_cv:.2f})",
             action=(
@@ -419,8 +465,9 @@ def _sync_amplification(run: _Run, explained: set[int]) -> list[Finding]:
     p = run.share[run.share > 0]
     entropy = float(-(p * np.log(p)).sum() / math.log(run.W)) if run.W > 1 else 0.0
     lost = run.lost_when(np.ones(run.S, dtype=bool))
-    p50, p99 = float(np.percentile(run.skew, 50)), float(np.percentile(run.skew, 99))
-    heavy = p50 <= 0 or p99 / max(p50, 1e-9) >= cfg.heavy_tail_ratio
+    p50 = float(np.percentile(run.skew, 50))
+    p99 = float(np.percentile(run.skew, _SKEW_TAIL_PERCENTILE))
+    heavy = p50 <= 0 or p99 / max(p50, _EPSILON) >= cfg.heavy_tail_ratio
     if (
         entropy < cfg.spread_entropy
         or run.share.max() >= cfg.persistent_share
@@ -428,14 +475,19 @@ def _sync_amplification(run: _Run, explained: set[int]) -> list[Finding]:
     ):
         return []
     growth = _max_growth(run)
-    grows = len(growth) >= 2 and growth[-1][1] > 1.2 * growth[0][1]
+    grows = len(growth) > 1 and growth[-1][1] > cfg.growth_ratio * growth[0][1]
     curve = ", ".join(f"{k} ranks {v:.1f} ms" for k, v in growth)
     return [
         Finding(
-            mode="sync_amplification",
+            mode=Mode.SYNC_AMPLIFICATION,
             ranks=sorted(int(r) for r in np.nonzero(run.share > 0)[0]),
             hosts=sorted(set(run.hosts)),
-            confidence=min(1.0, 0.5 + 0.25 * heavy + 0.25 * grows),
+            confidence=min(
+                1.0,
+                _AMPLIFICATION_BASE_CONFIDENCE
+                + _AMPLIFICATION_SIGNAL_CONFIDENCE * heavy
+                + _AMPLIFICATION_SIGNAL_CONFIDENCE * grows,
+            ),
             lost_step_fraction=lost,
             evidence=(
                 f"the straggler changes from step to step ({int((run.share > 0).sum())} of {run.W} ranks "
@@ -456,10 +508,10 @@ def _sync_amplification(run: _Run, explained: set[int]) -> list[Finding]:
 
 def _max_growth(run: _Run) -> list[tuple[int, float]]:
     """Mean over steps of (slowest of k random ranks - median rank) of arrival lateness, k = 2, 4, ...W."""
-    rng = np.random.default_rng(0)
-    rows = rng.choice(run.S, size=min(run.S, 5000), replace=False)  # a sample of steps is plenty
+    rng = np.random.default_rng(_GROWTH_SEED)
+    rows = rng.choice(run.S, size=min(run.S, _GROWTH_SAMPLE_STEPS), replace=False)
     late = (run.median_wait[:, None] - run.a.wait)[rows]  # how much later than the median rank each arrived
-    sizes = [k for k in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if k < run.W] + [run.W]
+    sizes = [k for k in _GROWTH_RANK_COUNTS if k < run.W] + [run.W]
     out = []
     for k in sizes:
         picks = np.argsort(rng.random(late.shape), axis=1)[:, :k]

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from pace_strategy.diagnose.arrays import RunArrays
+from pace_strategy.core.glossary import lead_ms, skew_ms, straggler_rank, transfer_ms
+from pace_strategy.diagnose.arrays import RANK_AXIS, RunArrays
 from pace_strategy.diagnose.config import DiagnosisConfig
 from pace_strategy.diagnose.findings import Diagnosis
 
@@ -40,9 +41,9 @@ def _figures(a: RunArrays, cfg: DiagnosisConfig) -> dict[str, bytes]:
 
     out: dict[str, bytes] = {}
     steps = a.step
-    transfer = a.wait.min(axis=1)
-    skew = a.wait.max(axis=1) - transfer
-    lead = a.wait - transfer[:, None]
+    transfer = transfer_ms(a.wait, RANK_AXIS)
+    skew = skew_ms(a.wait, RANK_AXIS)
+    lead = lead_ms(a.wait, RANK_AXIS)
 
     def save(name: str, fig: Any) -> None:
         buf = io.BytesIO()
@@ -85,7 +86,7 @@ def _figures(a: RunArrays, cfg: DiagnosisConfig) -> dict[str, bytes]:
     fig.colorbar(im, ax=ax, label="lead ms")
     save("lead_heatmap", fig)
 
-    counts = np.bincount(a.wait.argmin(axis=1), minlength=a.world_size) / max(a.steps, 1)
+    counts = np.bincount(straggler_rank(a.wait, RANK_AXIS), minlength=a.world_size) / max(a.steps, 1)
     fig, ax = plt.subplots(figsize=(9, 3))
     if a.world_size > cfg.max_heatmap_rows:
         per_node: dict[str, float] = {}
@@ -132,7 +133,7 @@ def render_report(a: RunArrays, diagnosis: Diagnosis, out_dir: Path, cfg: Diagno
         path.write_bytes(png)
         paths[name] = path
     rows = "".join(
-        f"<tr><td><b>{html.escape(f.mode)}</b></td>"
+        f"<tr><td><b>{html.escape(f.mode.value)}</b></td>"
         f"<td>{html.escape(', '.join(map(str, f.ranks)) or '-')}</td>"
         f"<td>{html.escape(', '.join(f.hosts) or '-')}</td><td>{f.confidence:.2f}</td>"
         f"<td>{f.lost_step_fraction:.1%}</td><td>{html.escape(f.evidence)}</td><td>{html.escape(f.action)}</td></tr>"

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pace_strategy.core import glossary
 from pace_strategy.core.config import PacingConfig
-from pace_strategy.diagnose.arrays import RunArrays
+from pace_strategy.diagnose.arrays import RANK_AXIS, RunArrays
 from pace_strategy.sim.engine import RunResult, WindowDraws, run_steps
 from pace_strategy.sim.model import NetworkModel
 from pace_strategy.sim.network import inter_node_bandwidth_gbps
@@ -72,7 +73,7 @@ def fit(a: RunArrays) -> Calibration:
     e = c - per_rank[None, :]
     common = np.median(e, axis=1)
     residual = (e - common[:, None]).ravel()
-    transfer = a.wait.min(axis=1)
+    transfer = glossary.transfer_ms(a.wait, RANK_AXIS)
     other = np.clip(a.step_ms - c.max(axis=1) - transfer, 0.0, None)
     mad = float(np.median(np.abs(offsets - np.median(offsets)))) * 1.4826
     threshold = max(3 * mad, 0.05 * float(np.median(a.step_ms)), 1.0)

@@ -1,12 +1,15 @@
 """The diagnosis rules on small synthetic arrays (the real-run checks are in tests/integration)."""
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pace_strategy import PacingConfigError
-from pace_strategy.diagnose import DiagnosisConfig, RunArrays, diagnose
+from pace_strategy.diagnose import MODES, DiagnosisConfig, Mode, RunArrays, diagnose
+from pace_strategy.diagnose.command import main
 
 
 def arrays(compute, data=None, gap=None, transfer=5.0, hosts=None, local=None, nodes=None):
@@ -112,3 +115,29 @@ def test_a_truncated_record_is_diagnosed_and_reported(tmp_path):
     assert a.truncated and a.steps == 12
     notes = diagnose(a).notes
     assert any("cut off" in n for n in notes) and any("did not finish" in n for n in notes)
+
+
+def test_modes_are_an_enum_that_serializes_as_plain_strings():
+    assert tuple(m.value for m in Mode) == MODES and "healthy" in MODES
+    (f,) = diagnose(arrays(40.0 + rng.normal(0, 0.3, (200, 4)))).findings
+    assert f.mode is Mode.HEALTHY and f.mode == "healthy" and f"{f.mode}" == "healthy"
+    as_dict = f.to_dict()
+    assert type(as_dict["mode"]) is str and json.loads(json.dumps(as_dict))["mode"] == "healthy"
+
+
+def test_a_new_threshold_is_overridable_from_the_command_line(tmp_path, capsys):
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "run4_transient.jsonl"
+    shutil.copy(fixture, tmp_path / "pace_run.jsonl")
+    assert main([str(tmp_path), "--json", "--no-report", "--set", "min_steps=100000"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["thresholds"]["min_steps"] == 100000
+    assert result["findings"] == [] and result["summary"].startswith("not enough data")
+    assert main([str(tmp_path), "--no-report", "--set", "min_step=3"]) == 2
+    assert "Did you mean 'min_steps'" in capsys.readouterr().err
+
+
+def test_new_thresholds_are_validated():
+    with pytest.raises(PacingConfigError, match="compute_late_fraction"):
+        DiagnosisConfig(compute_late_fraction=0.0)
+    with pytest.raises(PacingConfigError, match="min_steps"):
+        DiagnosisConfig(min_steps=0)

@@ -58,6 +58,8 @@ def test_diagnose_and_simulate_load_no_framework(tmp_path, command):
         + LOADED
     )
     assert not any(loaded[name] for name in FRAMEWORKS), loaded
+    if command == "diagnose":  # a run record is read with NumPy alone
+        assert not loaded["torch"], loaded
 
 
 @pytest.mark.parametrize("first", ["pace_strategy", "framework"])

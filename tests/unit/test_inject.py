@@ -1,7 +1,7 @@
 import pytest
 
-from pace_strategy import PacingConfigError, Straggler
-from pace_strategy.testing import injected_delay_ms, parse_stragglers
+from pace_strategy import PacingConfigError
+from pace_strategy.testing import Straggler, injected_delay_ms, parse_stragglers
 
 
 def test_persistent_straggler_hits_every_step_of_its_rank_only():
