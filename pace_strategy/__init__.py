@@ -73,7 +73,34 @@ _WHERE = {
     "summarize": "pace_strategy.telemetry",
 }
 
-__all__ = sorted([*_WHERE, "__version__"])
+__all__ = [
+    "Decision",
+    "GradReadyMonitor",
+    "PaceDistributedError",
+    "PaceTimeoutError",
+    "PacedDDPStrategy",
+    "PacedFSDPStrategy",
+    "PacedHookState",
+    "Pacer",
+    "PacingConfig",
+    "PacingConfigError",
+    "PacingHandle",
+    "PacingPolicy",
+    "PacingSession",
+    "PolicyState",
+    "RunRecord",
+    "StepSummary",
+    "WindowResult",
+    "__version__",
+    "attach_paced_ddp",
+    "attach_pacing",
+    "auto_shard",
+    "paced_comm_hook",
+    "read_run_record",
+    "register_paced_collectives",
+    "register_paced_hook",
+    "summarize",
+]
 
 __getattr__ = lazy_attributes(__name__, _WHERE)
 
