@@ -99,3 +99,25 @@ def test_public_names_load_on_first_use():
         )
     )
     assert loaded == {"lightning": True, "delay": 5}
+
+
+def test_every_public_name_resolves_to_where_it_is_declared():
+    resolved = _run(
+        textwrap.dedent(
+            """
+            import importlib, json
+            import pace_strategy, pace_strategy.core as core
+            out = {}
+            for package in (pace_strategy, core):
+                names = set(package.__all__) - {"__version__"}
+                assert names == set(package._WHERE), names ^ set(package._WHERE)
+                for name in sorted(names):
+                    declared = getattr(importlib.import_module(package._WHERE[name]), name)
+                    assert getattr(package, name) is declared, name
+                    out[f"{package.__name__}.{name}"] = package._WHERE[name]
+            print(json.dumps(out))
+            """
+        )
+    )
+    assert len(resolved) > 40
+    assert all(module.startswith("pace_strategy.") for module in resolved.values()), resolved
