@@ -312,7 +312,12 @@ def run_accelerate(recipe: TrainRecipe) -> int:
         make_dataset(recipe, accelerator.num_processes), batch_size=recipe.data.batch_size, shuffle=False
     )
     model, optimizer, loader = accelerator.prepare(net, optimizer, loader)
-    handle = attach_pacing(accelerator, model, recipe.pacing_config()) if recipe.paced else None
+    pacing = recipe.pacing_config()
+    handle = (
+        attach_pacing(accelerator, model, pacing, optimizer=optimizer, dataloaders=[loader])
+        if recipe.paced
+        else None
+    )
     injection = recipe.straggler.injection()
     stragglers = [injection] if injection is not None else []
     compute_s = recipe.model.compute_ms / 1e3
@@ -330,6 +335,8 @@ def run_accelerate(recipe: TrainRecipe) -> int:
         if accelerator.sync_gradients:
             step += 1
             progress.step(step)
+    if handle is not None:
+        handle.finish()  # collective; before end_training, which ends the trackers and the group
     accelerator.end_training()
     if accelerator.is_main_process:
         record = handle.record_path if handle is not None else None

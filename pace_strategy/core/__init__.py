@@ -1,7 +1,8 @@
 """Framework-agnostic core of pace_strategy: torch and the standard library only.
 
 Names load on first use: the stdlib-only parts (config, errors, records, glossary) serve
-``pace diagnose`` and the run-record reader without importing torch.
+``pace diagnose`` and the run-record reader without importing torch. (A public name never equals a
+submodule's: once imported, the submodule would shadow it.)
 """
 
 from __future__ import annotations
@@ -15,11 +16,17 @@ if TYPE_CHECKING:
     from pace_strategy.core.comm import WindowExchange, gather_json
     from pace_strategy.core.config import DDPMonitor, PacingConfig, PacingMode
     from pace_strategy.core.errors import PaceDistributedError, PaceTimeoutError, PacingConfigError
-    from pace_strategy.core.glossary import coefficient_of_variation
+    from pace_strategy.core.glossary import (
+        coefficient_of_variation,
+        lead_ms,
+        skew_ms,
+        straggler_rank,
+        transfer_ms,
+    )
     from pace_strategy.core.pacer import Pacer, WindowResult
     from pace_strategy.core.policy import PacingPolicy
     from pace_strategy.core.records import Decision, Field, PolicyState, StepSummary
-    from pace_strategy.core.skew import WindowStats, lead, pacable_lead, skew, window_stats
+    from pace_strategy.core.skew import WindowStats, pacable_lead, window_stats
     from pace_strategy.core.summary import StepSummarizer
 
 _MODULES: dict[str, tuple[str, ...]] = {
@@ -27,11 +34,11 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "comm": ("WindowExchange", "gather_json"),
     "config": ("DDPMonitor", "PacingConfig", "PacingMode"),
     "errors": ("PaceDistributedError", "PaceTimeoutError", "PacingConfigError"),
-    "glossary": ("coefficient_of_variation",),
+    "glossary": ("coefficient_of_variation", "lead_ms", "skew_ms", "straggler_rank", "transfer_ms"),
     "pacer": ("Pacer", "WindowResult"),
     "policy": ("PacingPolicy",),
     "records": ("Decision", "Field", "PolicyState", "StepSummary"),
-    "skew": ("WindowStats", "lead", "pacable_lead", "skew", "window_stats"),
+    "skew": ("WindowStats", "pacable_lead", "window_stats"),
     "summary": ("StepSummarizer",),
 }
 _WHERE = {name: f"{__name__}.{module}" for module, names in _MODULES.items() for name in names}
@@ -60,9 +67,11 @@ __all__ = [
     "clock_for_device",
     "coefficient_of_variation",
     "gather_json",
-    "lead",
+    "lead_ms",
     "pacable_lead",
-    "skew",
+    "skew_ms",
+    "straggler_rank",
+    "transfer_ms",
     "window_stats",
 ]
 

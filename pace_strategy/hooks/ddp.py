@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
 
 from pace_strategy.core.pacer import Pacer
 
@@ -55,6 +56,13 @@ class PacedHookState:
     pacer: Pacer
     inner_hook: CommHook | None
     inner_state: Any = None
+    enabled: bool = True  #: ``False`` after :meth:`remove`: the hook only communicates
+
+    def remove(self) -> None:
+        """Stop timing and pacing. DDP cannot unregister a comm hook (it takes one per model, once),
+        so the hook stays and only does the wrapped hook's communication; the model cannot be given
+        another comm hook afterwards."""
+        self.enabled = False
 
 
 def _first(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -67,24 +75,37 @@ def paced_comm_hook(state: PacedHookState, bucket: dist.GradBucket) -> torch.fut
     Bucket 0 is the first one DDP hands to the collective (the reducer launches buckets in index
     order), so the pacing delay goes there: just before the rank's first gradient collective.
     """
+    if not state.enabled:
+        return _communicate(state, bucket)
     pacer = state.pacer
     if bucket.index() == 0:
         pacer.enter_sync()
     else:
         pacer.note_bucket()
+    if not bucket.is_last():
+        return _communicate(state, bucket)
+    done = pacer.sync_done_callback()
     if state.inner_hook is not None:
-        fut = state.inner_hook(state.inner_state, bucket)
-        if bucket.is_last():
-            return fut.then(pacer.sync_done_callback())
-        return fut
-    group = state.inner_state
+        return state.inner_hook(state.inner_state, bucket).then(done)
+    work = _allreduce_mean(state.inner_state, bucket)
+    return work.then(lambda f: done(f)[0])  # one callback: mark completion and unwrap
+
+
+def _allreduce_mean(
+    group: dist.ProcessGroup, bucket: dist.GradBucket
+) -> torch.futures.Future[list[torch.Tensor]]:
+    """DDP's default reduction of one bucket, issued on the process group itself (same bits)."""
     tensor = bucket.buffer()
     tensor.div_(group.size())
-    work = group.allreduce([tensor]).get_future()
-    if bucket.is_last():
-        done = pacer.sync_done_callback()
-        return work.then(lambda f: done(f)[0])  # one callback: mark completion and unwrap
-    return work.then(_first)
+    return group.allreduce([tensor]).get_future()
+
+
+def _communicate(state: PacedHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The wrapped hook's communication alone: every bucket but the last, and all of them after
+    :meth:`PacedHookState.remove`."""
+    if state.inner_hook is not None:
+        return state.inner_hook(state.inner_state, bucket)
+    return _allreduce_mean(state.inner_state, bucket).then(_first)
 
 
 def register_paced_hook(
@@ -132,6 +153,7 @@ class GradReadyMonitor:
     ``ddp_monitor: comm_hook`` times the buckets themselves.
 
     Backwards inside ``no_sync`` (gradient accumulation) are ignored: DDP does not communicate there.
+    :meth:`remove` takes the hooks off again.
     """
 
     def __init__(self, model: DistributedDataParallel, pacer: Pacer) -> None:
@@ -144,6 +166,7 @@ class GradReadyMonitor:
         self._task = -1  # graph task of the backward whose first gradient was seen
         self._checks = max(pacer.config.warmup_steps, 1)  # synchronized backwards left to check
         self._hooked: set[int] = set()
+        self._handles: list[RemovableHandle] = []
         self._hook(len(self._params) - 1)
 
     @property
@@ -153,7 +176,15 @@ class GradReadyMonitor:
 
     def _hook(self, index: int) -> None:
         self._hooked.add(index)
-        self._params[index].register_post_accumulate_grad_hook(functools.partial(self._ready, index))
+        hook = functools.partial(self._ready, index)
+        self._handles.append(self._params[index].register_post_accumulate_grad_hook(hook))
+
+    def remove(self) -> None:
+        """Remove every hook the monitor registered; the model trains as if it was never attached."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._hooked.clear()
 
     def _ready(self, index: int, param: torch.Tensor) -> None:
         if not self._model.require_backward_grad_sync:

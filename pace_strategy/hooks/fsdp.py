@@ -36,6 +36,7 @@ __all__ = [
     "auto_shard",
     "fsdp_modules",
     "register_paced_collectives",
+    "unregister_paced_collectives",
 ]
 
 
@@ -134,6 +135,25 @@ def register_paced_collectives(model: nn.Module, pacer: Pacer) -> int:
             f"{type(model).__name__} has no FSDP2 parameter group: apply fully_shard (or "
             "pace_strategy.auto_shard) to the model before pacing it."
         )
+    return count
+
+
+def unregister_paced_collectives(model: nn.Module) -> int:
+    """Undo :func:`register_paced_collectives`: every FSDP2 module of ``model`` gets back the
+    collectives it had before (torch's default or the user's own). Returns the number of parameter
+    groups restored; idempotent."""
+    count = 0
+    for module in fsdp_modules(model):
+        group = _param_group(module)
+        if group is None:
+            continue
+        all_gather = getattr(group, "_all_gather_comm", None)
+        reduce_scatter = getattr(group, "_reduce_scatter_comm", None)
+        if isinstance(all_gather, PacedAllGather):
+            module.set_custom_all_gather(all_gather.inner)  # type: ignore[operator]
+            count += 1
+        if isinstance(reduce_scatter, PacedReduceScatter):
+            module.set_custom_reduce_scatter(reduce_scatter.inner)  # type: ignore[operator]
     return count
 
 

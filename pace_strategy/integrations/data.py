@@ -3,28 +3,35 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from torch.utils.data import DataLoader
 
 from pace_strategy.session import PacingSession
 
-__all__ = ["time_dataloader"]
+__all__ = ["DataWaitHook", "time_dataloader"]
+
+
+@dataclass(frozen=True)
+class _Timing:
+    session: Callable[[], PacingSession | None]
+    on_batch: Callable[[PacingSession], None] | None
+    base: type[DataLoader[Any]]  #: the loader's own class
+
+
+#: loader -> its current timing; read by the timed class's ``__iter__`` once per epoch.
+_TIMINGS: weakref.WeakKeyDictionary[Any, _Timing] = weakref.WeakKeyDictionary()
 
 
 class _TimedIterator:
     """Forwards a DataLoader iterator and reports the time each ``next`` blocked as data wait."""
 
-    def __init__(
-        self,
-        iterator: Any,
-        session: Callable[[], PacingSession | None],
-        on_batch: Callable[[PacingSession], None] | None,
-    ) -> None:
+    def __init__(self, iterator: Iterator[Any], timing: _Timing) -> None:
         self._iterator = iterator
-        self._session = session
-        self._on_batch = on_batch
+        self._timing = timing
 
     def __iter__(self) -> _TimedIterator:
         return self
@@ -34,38 +41,83 @@ class _TimedIterator:
         try:
             batch = next(self._iterator)
         finally:
-            session = self._session()
+            session = self._timing.session()
             if session is not None:
                 session.pacer.add_data_wait((time.perf_counter_ns() - started) / 1e6)
-        if session is not None and self._on_batch is not None:
-            self._on_batch(session)
+        if session is not None and self._timing.on_batch is not None:
+            self._timing.on_batch(session)
         return batch
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._iterator, name)
 
 
+#: loader class -> its timed subclass, made once per class.
+_TIMED_CLASSES: dict[type, type] = {}
+
+
+def _timed_class(base: type[DataLoader[Any]]) -> type:
+    """The subclass of ``base`` whose iterators are timed."""
+    timed = _TIMED_CLASSES.get(base)
+    if timed is None:
+
+        def __iter__(self: Any) -> Any:
+            iterator = base.__iter__(self)
+            timing = _TIMINGS.get(self)
+            return iterator if timing is None else _TimedIterator(iterator, timing)
+
+        namespace = {"__iter__": __iter__, "__module__": __name__}
+        timed = _TIMED_CLASSES[base] = type(f"Timed{base.__name__}", (base,), namespace)
+    return timed
+
+
+def _set_class(loader: Any, cls: type) -> None:
+    """The one place a live loader's class changes (to the timed subclass and back).
+
+    Neither torch's ``DataLoader`` nor accelerate's ``DataLoaderShard`` has a public hook on the
+    iterator it returns, and the loader object is already held by the framework (Lightning) or by the
+    user's script (Accelerate, after ``prepare``), so a wrapper cannot be handed out instead. A
+    subclass keeps every ``isinstance(loader, DataLoader)`` check true. ``object``'s own ``__class__``
+    slot is used because accelerate's ``DataLoaderShard`` shadows ``__class__`` with a read-only
+    property (to look like a plain DataLoader).
+    """
+    object.__dict__["__class__"].__set__(loader, cls)
+
+
+class DataWaitHook:
+    """What :func:`time_dataloader` returns: :meth:`remove` gives the loader its own class back."""
+
+    def __init__(self, loader: Any, timing: _Timing) -> None:
+        self._loader = weakref.ref(loader)
+        self._timing = timing
+
+    def remove(self) -> None:
+        """Stop timing; a no-op once a later :func:`time_dataloader` call took the loader over."""
+        loader = self._loader()
+        if loader is not None and _TIMINGS.get(loader) is self._timing:
+            del _TIMINGS[loader]
+            _set_class(loader, self._timing.base)
+
+
 def time_dataloader(
     dataloader: Any,
     session: Callable[[], PacingSession | None],
     on_batch: Callable[[PacingSession], None] | None = None,
-) -> None:
-    """Make ``dataloader``'s iterators report input wait to the session (in place; keeps its type).
+) -> DataWaitHook | None:
+    """Make ``dataloader``'s iterators report input wait to ``session()`` (in place; keeps its type).
 
-    ``on_batch`` runs after each batch is returned (a framework without a "batch ready" event uses it
-    to begin the step).
-
-    The loader's class is swapped for a subclass whose ``__iter__`` wraps the iterator, so every
-    ``isinstance(loader, DataLoader)`` check the framework makes still holds.
+    ``session`` is called at every batch; ``None`` means "not now" (nothing is reported). ``on_batch``
+    runs after each batch is returned (a framework without a "batch ready" event uses it to begin the
+    step). Calling it again on the same loader replaces ``session`` and ``on_batch`` (never times
+    twice). Returns the hook that undoes it, or ``None`` (and does nothing) when ``dataloader`` is not
+    a ``torch.utils.data.DataLoader``; the caller may ignore it.
     """
-    if not isinstance(dataloader, DataLoader) or getattr(dataloader, "_pace_timed", False):
-        return
-    base = type(dataloader)
-
-    def __iter__(self: Any) -> Any:
-        return _TimedIterator(base.__iter__(self), session, on_batch)
-
-    timed = type(f"Timed{base.__name__}", (base,), {"__iter__": __iter__, "_pace_timed": True})
-    # object's own __class__ slot: some loaders (accelerate's DataLoaderShard) shadow __class__ with a
-    # read-only property to look like a plain DataLoader.
-    object.__dict__["__class__"].__set__(dataloader, timed)
+    if not isinstance(dataloader, DataLoader):
+        return None
+    previous = _TIMINGS.get(dataloader)
+    # type(), not __class__: accelerate's DataLoaderShard's __class__ property says DataLoader.
+    base = type(dataloader) if previous is None else previous.base
+    timing = _TIMINGS[dataloader] = _Timing(session, on_batch, base)
+    if previous is None:
+        _set_class(dataloader, _timed_class(base))
+    return DataWaitHook(dataloader, timing)

@@ -1,8 +1,12 @@
 """Accelerate, 2 CPU processes: `pace launch` with a pacing_config section, plain `accelerate launch`
-with PACE_* variables, gradient accumulation, and a bad section failing before any worker starts."""
+with PACE_* variables, gradient accumulation, a bad section failing before any worker starts, and
+attach_pacing's handle removing every hook it registered (detach, finish, attach again).
+
+The PACE_* parsing itself is tested in tests/unit/test_accelerate_env.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -110,3 +114,30 @@ def test_pace_variables_are_parsed_and_checked():
         config_from_env({"PACE_MAX_DELAY": "3"})
     with pytest.raises(ValueError, match="PACE_EXCHANGE_EVERY_STEPS='x'"):
         config_from_env({"PACE_EXCHANGE_EVERY_STEPS": "x"})
+
+
+def test_the_handle_removes_every_hook_it_registered(tmp_path):
+    cfg, script = tmp_path / "accel.yaml", Path(__file__).parent / "accelerate_attach_script.py"
+    cfg.write_text(BASE_CONFIG.format(kind="MULTI_GPU"))
+    out = subprocess.run(
+        [*ACCELERATE, "--config_file", str(cfg), str(script), str(tmp_path / "run")],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = [json.loads((tmp_path / "run" / f"result_{rank}.json").read_text()) for rank in (0, 1)]
+    for r in results:
+        before = r["before"]
+        attached = {"forward_pre": 1, "step_post": 1, "grad": 1, "loader": "TimedDataLoaderShard"}
+        assert {k: v - before[k] if k != "loader" else v for k, v in r["attached"].items()} == attached
+        assert "already paced" in r["twice"]
+        assert r["steps"] == 4 and r["steps_after_detach"] == 4  # nothing counted once detached
+        assert r["detached"] == before == r["finished"] == r["after_comm"]
+        assert r["reattached"] == r["attached"] and r["steps_again"] == 4 and r["steps_comm"] == 4
+    first, again, comm = (read_run_record(tmp_path / "run" / d) for d in ("", "again", "comm"))
+    assert first.end["status"] == "detached"
+    assert again.end["status"] == "completed" and [s["step"] for s in again.steps] == [0, 1, 2, 3]
+    assert comm.end["status"] == "completed" and comm.header["config"]["ddp_monitor"] == "comm_hook"

@@ -1,114 +1,266 @@
-"""Accelerate adapter: ``attach_pacing(accelerator, model)`` and the ``PACE_*`` environment contract.
+"""``attach_pacing``: monitor and pace the model an Accelerator prepared, and the handle that undoes it.
 
-Accelerate's config file rejects unknown top-level keys and its ``kwargs_handlers`` reject
-third-party classes, so the pacing configuration travels as environment variables: ``pace launch``
-reads the ``pacing_config:`` section of the accelerate config and exports them; plain
-``accelerate launch`` with ``PACE_*`` set by hand works the same. ``attach_pacing`` registers the
-comm hook on the prepared DDP model (accelerate's ``DistributedDataParallelKwargs`` cannot carry a
-custom hook) or routes an FSDP2 model's all-gathers and reduce-scatters through the pacer, marks
-steps from the model's forward and the optimizer's step, and logs through ``accelerator.log``.
+accelerate's ``DistributedDataParallelKwargs`` cannot carry a custom comm hook, so the DDP monitor
+goes on the prepared model (an FSDP2 model's all-gathers and reduce-scatters go through the pacer
+instead). Steps are marked from the model's forward, the prepared dataloaders and the optimizer's
+step; telemetry goes through ``accelerator.log``. Everything registered is kept on the
+:class:`PacingHandle`, which removes it again (:meth:`PacingHandle.detach`).
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
-import json
+import functools
+import importlib.metadata
 import logging
 import os
 import time
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, get_args
+from types import TracebackType
+from typing import Any, Literal
 
 from torch.nn.parallel import DistributedDataParallel
 
-from pace_strategy.core.config import PacingConfig, check_known_keys
+from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.hooks.ddp import attach_paced_ddp
+from pace_strategy.integrations.accelerate.env import (
+    ENV_PREFIX,
+    NON_CONFIG_ENV,
+    config_from_env,
+    run_dir_from_env,
+)
 from pace_strategy.integrations.data import time_dataloader
 from pace_strategy.session import PacingSession
 
-__all__ = ["ENV_PREFIX", "PacingHandle", "attach_pacing", "config_from_env", "config_to_env"]
+__all__ = ["PacingHandle", "attach_pacing"]
 
 log = logging.getLogger(__name__)
 
-ENV_PREFIX = "PACE_"
-#: ``PACE_*`` variables that are not config fields.
-OTHER_ENV = ("PACE_HOSTNAME", "PACE_LOG_LEVEL", "PACE_RUN_DIR", "PACE_CONFIG_SOURCE")
-
-
-def config_to_env(values: Mapping[str, Any]) -> dict[str, str]:
-    """``{"max_delay_ms": 20}`` -> ``{"PACE_MAX_DELAY_MS": "20"}`` (validated first)."""
-    PacingConfig.from_dict(values)
-    return {
-        f"{ENV_PREFIX}{k.upper()}": json.dumps(v) if not isinstance(v, str) else v for k, v in values.items()
-    }
-
-
-def _parse(name: str, text: str, annotation: Any) -> Any:
-    kind = str(annotation)
-    try:
-        if "bool" in kind:
-            if text.lower() not in ("true", "false", "1", "0"):
-                raise ValueError(text)
-            return text.lower() in ("true", "1")
-        if "int" in kind:
-            return int(text)
-        if "float" in kind:
-            return float(text)
-    except ValueError:
-        raise PacingConfigError(
-            f"environment variable {ENV_PREFIX}{name.upper()}={text!r} is invalid: expected {kind}"
-        ) from None
-    if get_args(annotation) or "Literal" in kind or "PacingMode" in kind:
-        return text.strip('"')
-    return text
-
-
-def config_from_env(environ: Mapping[str, str] | None = None) -> PacingConfig | None:
-    """The PacingConfig described by ``PACE_*`` variables, or ``None`` when none is set."""
-    environ = os.environ if environ is None else environ
-    names = {f.name: f for f in dataclasses.fields(PacingConfig)}
-    hints = {f.name: f.type for f in dataclasses.fields(PacingConfig)}
-    variables = [k for k in environ if k.startswith(ENV_PREFIX) and k not in OTHER_ENV]
-    if not variables:
-        return None
-    check_known_keys(variables, [f"{ENV_PREFIX}{n.upper()}" for n in names], "pacing environment variable")
-    keys = [k[len(ENV_PREFIX) :].lower() for k in variables]
-    values = {k: _parse(k, environ[f"{ENV_PREFIX}{k.upper()}"], hints[k]) for k in keys}
-    return PacingConfig.from_dict(values)
+#: id(model) -> the handle attached to it (a handle holds its model: the id is not reused meanwhile).
+_ATTACHED: weakref.WeakValueDictionary[int, PacingHandle] = weakref.WeakValueDictionary()
 
 
 class PacingHandle:
-    """What ``attach_pacing`` returns: the session (``None`` on a single process) and ``finish()``."""
+    """What :func:`attach_pacing` returns: the session, the step count and every hook registered.
 
-    def __init__(self, session: PacingSession | None) -> None:
-        self.session = session
+    End training with :meth:`finish` on every rank, or run it inside ``with handle:`` (normal exit:
+    :meth:`finish`; an exception: the run record is closed as failed, locally). :meth:`detach` stops
+    pacing early, on this rank. A script that does neither gets its record closed at exit with status
+    ``incomplete`` (and loses the steps of the last, unexchanged window).
+    """
+
+    def __init__(self, model: Any, config: PacingConfig, session: PacingSession | None) -> None:
+        self.config = config  #: the configuration in effect
+        self.session = session  #: ``None`` on a single process: nothing is attached
         self.steps = 0  #: synchronized optimizer steps seen
-
-    def finish(self) -> None:
-        """End of training on every rank (collective): exchange the rest and close the run record.
-
-        Called for you by ``accelerator.end_training()``.
-        """
-        if self.session is not None:
-            self.session.finish()
+        self._model = model
+        self._undo: list[Callable[[], object]] = []  # one per registration, undone in reverse
 
     @property
     def record_path(self) -> Path | None:
+        """Rank 0: the run record (``None`` on other ranks and on a single process)."""
         return None if self.session is None else self.session.record_path
 
+    @property
+    def attached(self) -> bool:
+        return _ATTACHED.get(id(self._model)) is self
 
-def _run_dir(accelerator: Any) -> Path:
-    explicit = os.environ.get("PACE_RUN_DIR")
-    if explicit:
-        return Path(explicit)
-    for attr in ("logging_dir", "project_dir"):
-        value = getattr(accelerator, attr, None)
+    # Step events. A step begins when its first batch is ready (a timed dataloader) or, for a script
+    # that feeds the model itself, at its first forward; it ends after the synchronizing optimizer
+    # step. So an accumulated step spans all its micro-batches, and only synchronizing steps count.
+    def _live_session(self) -> PacingSession | None:
+        session = self.session
+        return None if session is None or session.finished else session
+
+    def _begin(self, module: Any, args: Any) -> None:
+        if self.session is not None:
+            self.session.pacer.begin_step(self.steps)
+
+    def _batch_ready(self, session: PacingSession) -> None:
+        session.pacer.begin_step(self.steps)
+
+    def _end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.steps += 1
+        if self.session is not None:
+            self.session.end_step()
+
+    def finish(self) -> None:
+        """End of training, on every rank (collective): exchange the last steps, close the run record,
+        then :meth:`detach`. Call it before ``accelerator.end_training()``, which ends the trackers
+        the last steps are logged to and the process group. Idempotent."""
+        try:
+            if self.session is not None:
+                self.session.finish()
+        finally:
+            self.detach()
+
+    def detach(self) -> None:
+        """Remove every hook :func:`attach_pacing` registered and, unless :meth:`finish` did, close
+        the run record (status ``detached``). Local (no collective); idempotent. The model can be
+        attached again, except with ``ddp_monitor: comm_hook`` (DDP takes one comm hook per model)."""
+        while self._undo:
+            self._undo.pop()()
+        if self.session is not None:
+            self.session.close(status="detached")
+        if self.attached:
+            del _ATTACHED[id(self._model)]
+
+    def __enter__(self) -> PacingHandle:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if error is None:
+            self.finish()
+            return
+        if self.session is not None:
+            self.session.fail(error)  # local: the peers may be gone
+        self.detach()
+
+
+def attach_pacing(
+    accelerator: Any,
+    model: Any,
+    config: PacingConfig | None = None,
+    *,
+    optimizer: Any | None = None,
+    dataloaders: Iterable[Any] | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
+) -> PacingHandle:
+    """Monitor and pace ``model``, the DDP or FSDP2 model ``accelerator.prepare(...)`` returned.
+
+    Call it after ``prepare`` on every rank (collective: it starts the session), and end with
+    ``handle.finish()`` on every rank, before ``accelerator.end_training()`` (or use the handle as a
+    context manager). Attaching to a model that is already attached raises; ``detach()`` first.
+
+    Args:
+        config: the pacing configuration; without it, the ``PACE_*`` variables (``pace launch`` sets
+            them from the accelerate config's ``pacing_config:`` section), else the defaults.
+        optimizer: the prepared optimizer whose step ends a training step (default: the one
+            optimizer ``prepare`` returned).
+        dataloaders: the prepared dataloaders to measure input wait in and to begin steps at their
+            first batch (default: every dataloader ``prepare`` returned; ``()`` for none).
+        run_dir: the run record's directory (rank 0). Default: ``accelerator.logging_dir`` (the
+            trackers' directory; it is ``project_dir`` unless set apart), else ``$PACE_RUN_DIR``,
+            else ``./pace_runs/<date-time>``.
+    """
+    attached = _ATTACHED.get(id(model))
+    if attached is not None:
+        raise PacingConfigError(
+            f"attach_pacing: this {type(model).__name__} is already paced (by the handle the first "
+            "attach_pacing call returned); use that handle, or call its detach() before attaching again."
+        )
+    if config is None:
+        config = config_from_env() or PacingConfig()
+    elif any(k.startswith(ENV_PREFIX) and k not in NON_CONFIG_ENV for k in os.environ):
+        log.info("pace_strategy: attach_pacing(config=...) given; PACE_* config variables are ignored")
+    if accelerator.num_processes < 2:
+        log.warning("pace_strategy: a single process has no skew to monitor; attach_pacing does nothing")
+        handle = PacingHandle(model, config, None)
+        _ATTACHED[id(model)] = handle
+        return handle
+    fsdp = _is_fsdp2(model)
+    if not fsdp and not isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            f"attach_pacing needs the model that accelerator.prepare returned, wrapped in "
+            f"DistributedDataParallel or sharded with FSDP2 (fsdp_version: 2), got {type(model).__name__}."
+        )
+    optimizer = _the_optimizer(accelerator) if optimizer is None else optimizer
+    loaders = _prepared(accelerator, "dataloader") if dataloaders is None else list(dataloaders)
+    rank = accelerator.process_index
+    session = PacingSession.with_side_group(
+        config,
+        rank=rank,
+        world_size=accelerator.num_processes,
+        device=accelerator.device,
+        framework="accelerate",
+        log_dir=_run_dir(accelerator, run_dir) if rank == 0 else None,
+        metrics_sink=lambda metrics, step: accelerator.log(dict(metrics), step=step),
+        local_rank=accelerator.local_process_index,
+    )
+    handle = PacingHandle(model, config, session)
+    _ATTACHED[id(model)] = handle
+    _close_open_records_at_exit()
+    try:
+        _register(handle, model, session, optimizer, loaders, fsdp)
+    except BaseException:
+        handle.detach()
+        raise
+    return handle
+
+
+def _register(
+    handle: PacingHandle, model: Any, session: PacingSession, optimizer: Any, loaders: list[Any], fsdp: bool
+) -> None:
+    undo = handle._undo
+    if fsdp:
+        from pace_strategy.hooks.fsdp import register_paced_collectives, unregister_paced_collectives
+
+        register_paced_collectives(model, session.pacer)
+        undo.append(functools.partial(unregister_paced_collectives, model))
+    else:
+        undo.append(attach_paced_ddp(model, session.pacer).remove)
+    undo.append(model.register_forward_pre_hook(handle._begin).remove)
+    # accelerate's optimizer wrapper steps the wrapped optimizer only where gradients synchronize.
+    inner = getattr(optimizer, "optimizer", optimizer)
+    undo.append(inner.register_step_post_hook(handle._end).remove)
+    for loader in loaders:
+        hook = time_dataloader(loader, handle._live_session, on_batch=handle._batch_ready)
+        if hook is not None:
+            undo.append(hook.remove)
+
+
+def _prepared(accelerator: Any, kind: Literal["optimizer", "dataloader"]) -> list[Any]:
+    """The optimizers or dataloaders ``accelerator.prepare`` returned so far.
+
+    accelerate (1.16) keeps them in the private lists ``Accelerator._optimizers`` and
+    ``Accelerator._dataloaders`` and has no public accessor. This is the only place pace_strategy
+    reads them (tests/unit/test_accelerate_attach.py fails when they move);
+    ``attach_pacing(optimizer=..., dataloaders=...)`` needs no read at all.
+    """
+    attribute = f"_{kind}s"
+    found = getattr(accelerator, attribute, None)
+    if not isinstance(found, list):
+        try:
+            version = importlib.metadata.version("accelerate")
+        except importlib.metadata.PackageNotFoundError:
+            version = "unknown"
+        argument = "optimizer=" if kind == "optimizer" else "dataloaders=[...]"
+        raise PacingConfigError(
+            f"attach_pacing cannot find the prepared {kind}s: this accelerate ({version}) has no list "
+            f"Accelerator.{attribute} (it had in 1.16). Pass {argument} to attach_pacing."
+        )
+    return list(found)
+
+
+def _the_optimizer(accelerator: Any) -> Any:
+    optimizers = _prepared(accelerator, "optimizer")
+    if len(optimizers) != 1:
+        raise PacingConfigError(
+            f"attach_pacing found {len(optimizers)} prepared optimizers: "
+            + (
+                "call it after accelerator.prepare(model, optimizer, ...)"
+                if not optimizers
+                else "pass optimizer= the one whose step ends a training step"
+            )
+        )
+    return optimizers[0]
+
+
+def _run_dir(accelerator: Any, run_dir: str | os.PathLike[str] | None) -> Path:
+    """Explicit ``run_dir`` > the accelerator's logging (else project) dir > ``$PACE_RUN_DIR`` > a new
+    ``./pace_runs/<date-time>``: explicit arguments beat environment variables."""
+    if run_dir is not None:
+        return Path(run_dir)
+    for attribute in ("logging_dir", "project_dir"):
+        value = getattr(accelerator, attribute, None)
         if value:
             return Path(value)
-    return Path.cwd() / "pace_runs" / time.strftime("%Y%m%d-%H%M%S")
+    return run_dir_from_env() or Path.cwd() / "pace_runs" / time.strftime("%Y%m%d-%H%M%S")
 
 
 def _is_fsdp2(model: Any) -> bool:
@@ -119,76 +271,14 @@ def _is_fsdp2(model: Any) -> bool:
     return bool(fsdp_modules(model))
 
 
-def attach_pacing(accelerator: Any, model: Any, config: PacingConfig | None = None) -> PacingHandle:
-    """Monitor and pace ``model``, the DDP or FSDP2 model returned by ``accelerator.prepare(...)``.
+@functools.cache
+def _close_open_records_at_exit() -> None:
+    """Register, once per process, the exit handler for scripts that never call ``finish``."""
+    atexit.register(_close_open_records)
 
-    Call it after ``prepare`` on every rank. The config comes from ``config``, else from ``PACE_*``
-    variables (set by ``pace launch`` from the accelerate config's ``pacing_config:`` section), else
-    the defaults. Only steps where gradients synchronize are measured and paced, so gradient
-    accumulation works. Telemetry goes through ``accelerator.log`` at the synchronized-step index;
-    the run record goes in ``accelerator.logging_dir`` (or ``project_dir``, or ``$PACE_RUN_DIR``).
-    """
-    cfg = config or config_from_env() or PacingConfig()
-    if accelerator.num_processes < 2:
-        log.warning("pace_strategy: a single process has no skew to monitor; attach_pacing does nothing")
-        return PacingHandle(None)
-    fsdp = _is_fsdp2(model)
-    if not fsdp and not isinstance(model, DistributedDataParallel):
-        raise TypeError(
-            f"attach_pacing needs the model that accelerator.prepare returned, wrapped in "
-            f"DistributedDataParallel or sharded with FSDP2 (fsdp_version: 2), got {type(model).__name__}."
-        )
-    rank = accelerator.process_index
-    session = PacingSession.with_side_group(
-        cfg,
-        rank=rank,
-        world_size=accelerator.num_processes,
-        device=accelerator.device,
-        framework="accelerate",
-        log_dir=_run_dir(accelerator) if rank == 0 else None,
-        metrics_sink=lambda metrics, step: accelerator.log(dict(metrics), step=step),
-        local_rank=accelerator.local_process_index,
-    )
-    handle = PacingHandle(session)
-    if fsdp:
-        from pace_strategy.hooks.fsdp import register_paced_collectives
 
-        register_paced_collectives(model, session.pacer)
-    else:
-        attach_paced_ddp(model, session.pacer)
-
-    # A step begins when its first batch is ready (the timed dataloader), or, for a script that feeds
-    # the model itself, at its first forward; it ends after the synchronizing optimizer step. So an
-    # accumulated step spans all its micro-batches, and only synchronizing steps are recorded.
-    def begin(module: Any, args: Any) -> None:
-        session.pacer.begin_step(handle.steps)
-
-    def batch_ready(s: PacingSession) -> None:
-        s.pacer.begin_step(handle.steps)
-
-    def end(optimizer: Any, args: Any, kwargs: Any) -> None:
-        handle.steps += 1
-        session.end_step()
-
-    model.register_forward_pre_hook(begin)
-    optimizers = list(getattr(accelerator, "_optimizers", []))
-    if not optimizers:
-        raise PacingConfigError(
-            "attach_pacing found no prepared optimizer: call it after "
-            "accelerator.prepare(model, optimizer, ...)"
-        )
-    for opt in optimizers:
-        getattr(opt, "optimizer", opt).register_step_post_hook(end)
-    for dataloader in getattr(accelerator, "_dataloaders", []):
-        time_dataloader(dataloader, lambda: session, on_batch=batch_ready)
-
-    original_end_training = accelerator.end_training
-
-    def end_training() -> None:
-        handle.finish()
-        original_end_training()
-
-    accelerator.end_training = end_training
-    # A script that never calls end_training still gets its record closed (locally, no collective).
-    atexit.register(lambda: session.close(status="incomplete"))
-    return handle
+def _close_open_records() -> None:
+    # Local close, no collective: at exit the peers may be gone. The last window is lost.
+    for handle in list(_ATTACHED.values()):
+        if handle.session is not None:
+            handle.session.close(status="incomplete")

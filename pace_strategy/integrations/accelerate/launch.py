@@ -2,7 +2,7 @@
 
 The section is read and validated here, before any worker starts, then stripped: the cleaned config
 goes to a temporary file that accelerate's own launcher reads, and the pacing fields travel to the
-workers as ``PACE_*`` environment variables (which ``attach_pacing`` reads).
+workers as ``PACE_*`` environment variables (``env.py``; ``attach_pacing`` reads them).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pace_strategy.core.errors import PacingConfigError
+from pace_strategy.integrations.accelerate.env import config_to_env
 
 __all__ = ["main", "prepare_launch"]
 
@@ -36,8 +37,6 @@ def _config_arg(argv: list[str]) -> tuple[int, str] | None:
 def prepare_launch(argv: Sequence[str]) -> tuple[list[str], dict[str, str], Path | None]:
     """The accelerate launch arguments, the extra environment and the temporary config to delete."""
     import yaml
-
-    from pace_strategy.integrations.accelerate import config_to_env
 
     args = list(argv)
     found = _config_arg(args)

@@ -1,0 +1,96 @@
+"""The ``PACE_*`` environment contract: how a PacingConfig and the run directory reach the workers.
+
+One variable per :class:`~pace_strategy.core.config.PacingConfig` field, upper-cased
+(``max_delay_ms`` -> ``PACE_MAX_DELAY_MS``). A switch is ``1``/``0`` or ``true``/``false``; any other
+value is read as JSON (``20``, ``7.5``, ``"monitor"``) and, when it is not JSON, as the text itself
+(``monitor``); then it takes the same
+type-hint conversion and validation as a YAML recipe (:func:`pace_strategy.settings.build`).
+``pace launch`` writes them (:func:`config_to_env`); ``attach_pacing`` reads them
+(:func:`config_from_env`); plain ``accelerate launch`` with the variables set by hand works the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pace_strategy.core.config import PacingConfig, check_known_keys
+from pace_strategy.core.errors import PacingConfigError
+from pace_strategy.settings import build
+
+__all__ = [
+    "ENV_PREFIX",
+    "NON_CONFIG_ENV",
+    "RUN_DIR_ENV",
+    "config_from_env",
+    "config_to_env",
+    "env_name",
+    "run_dir_from_env",
+]
+
+ENV_PREFIX = "PACE_"
+#: The run record's directory when neither ``attach_pacing(run_dir=...)`` nor the Accelerator says one.
+RUN_DIR_ENV = "PACE_RUN_DIR"
+#: ``PACE_*`` variables that are not config fields (read elsewhere; allowed next to the fields).
+NON_CONFIG_ENV = ("PACE_HOSTNAME", "PACE_LOG_LEVEL", RUN_DIR_ENV, "PACE_CONFIG_SOURCE")
+
+
+def env_name(field: str) -> str:
+    """``max_delay_ms`` -> ``PACE_MAX_DELAY_MS``."""
+    return f"{ENV_PREFIX}{field.upper()}"
+
+
+def _config(values: Mapping[str, Any]) -> PacingConfig:
+    check_known_keys(values, PacingConfig.field_names(), "pacing config field")
+    return build(PacingConfig, values)
+
+
+def config_to_env(values: Mapping[str, Any]) -> dict[str, str]:
+    """``{"max_delay_ms": 20}`` -> ``{"PACE_MAX_DELAY_MS": "20"}``, validated first (strings as they
+    are, everything else as JSON), so that :func:`config_from_env` reads back the same config."""
+    _config(values)
+    return {env_name(k): v if isinstance(v, str) else json.dumps(v) for k, v in values.items()}
+
+
+#: how a switch is spelled in an environment variable (``PACE_RUN_RECORD=0``)
+_SWITCH_WORDS = {"1": True, "0": False, "true": True, "false": False}
+
+
+def _decode(field: str, text: str) -> Any:
+    if typing.get_type_hints(PacingConfig)[field] is bool:
+        return _SWITCH_WORDS.get(text.strip().lower(), text)  # another word: validation names it
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # a bare word (``monitor``): the field's validation decides
+
+
+def config_from_env(environ: Mapping[str, str] | None = None) -> PacingConfig | None:
+    """The PacingConfig described by ``PACE_*`` variables, or ``None`` when none is set.
+
+    An unknown ``PACE_*`` variable is an error naming the nearest valid one; an invalid value is an
+    error naming the variable, the text received and what the field allows.
+    """
+    environ = os.environ if environ is None else environ
+    names = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in NON_CONFIG_ENV)
+    if not names:
+        return None
+    fields = {env_name(f): f for f in PacingConfig.field_names()}
+    check_known_keys(names, list(fields), "pacing environment variable")
+    try:
+        return _config({fields[n]: _decode(fields[n], environ[n]) for n in names})
+    except PacingConfigError as error:
+        named = [n for n in names if re.search(rf"\b{fields[n]}\b", str(error))] or names
+        where = ", ".join(f"{n}={environ[n]!r}" for n in named)
+        raise PacingConfigError(f"environment variable {where}: {error}") from None
+
+
+def run_dir_from_env(environ: Mapping[str, str] | None = None) -> Path | None:
+    """``$PACE_RUN_DIR``, or ``None`` when unset or empty."""
+    value = (os.environ if environ is None else environ).get(RUN_DIR_ENV)
+    return Path(value) if value else None

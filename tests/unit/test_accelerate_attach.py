@@ -1,0 +1,113 @@
+"""attach_pacing on accelerate's real Accelerator (one CPU process): the private lists it reads (pinned to
+accelerate 1.16), attaching twice, config and run-directory precedence, and undoing the FSDP2
+collectives. The multi-process hooks and detach are in tests/integration/test_accelerate.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+from torch.utils.data import DataLoader, TensorDataset
+
+from pace_strategy.core.config import PacingConfig
+from pace_strategy.core.errors import PacingConfigError
+from pace_strategy.integrations.accelerate import PacingHandle, attach_pacing
+from pace_strategy.integrations.accelerate.attach import _prepared, _run_dir
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def prepared(accelerator: Accelerator):
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2)
+    return accelerator.prepare(model, optimizer, loader)
+
+
+def test_the_prepared_objects_are_where_accelerate_1_16_keeps_them():
+    # If this fails, accelerate moved Accelerator._optimizers / _dataloaders: update _prepared.
+    accelerator = Accelerator(cpu=True)
+    _, optimizer, loader = prepared(accelerator)
+    assert _prepared(accelerator, "optimizer") == [optimizer]
+    assert _prepared(accelerator, "dataloader") == [loader]
+
+
+def test_a_moved_private_list_fails_loudly_and_says_what_to_pass():
+    with pytest.raises(PacingConfigError, match=r"Accelerator\._optimizers.*Pass optimizer="):
+        _prepared(SimpleNamespace(), "optimizer")
+    with pytest.raises(PacingConfigError, match=r"Accelerator\._dataloaders.*Pass dataloaders="):
+        _prepared(SimpleNamespace(_dataloaders=None), "dataloader")
+
+
+def test_attaching_twice_raises_and_detach_allows_it_again():
+    accelerator = Accelerator(cpu=True)
+    model, _, _ = prepared(accelerator)
+    handle = attach_pacing(accelerator, model)
+    assert isinstance(handle, PacingHandle) and handle.attached and handle.session is None
+    with pytest.raises(PacingConfigError, match=r"already paced.*detach"):
+        attach_pacing(accelerator, model)
+    handle.detach()
+    assert not handle.attached
+    with attach_pacing(accelerator, model) as again:
+        assert again.attached
+    assert not again.attached  # finish() detaches
+
+
+def test_an_explicit_config_beats_pace_variables(monkeypatch):
+    accelerator = Accelerator(cpu=True)
+    model, _, _ = prepared(accelerator)
+    monkeypatch.setenv("PACE_MODE", "forced")
+    with attach_pacing(accelerator, model) as handle:
+        assert handle.config.mode == "forced"
+    with attach_pacing(accelerator, model, PacingConfig(mode="monitor")) as handle:
+        assert handle.config.mode == "monitor"
+    monkeypatch.delenv("PACE_MODE")
+    with attach_pacing(accelerator, model) as handle:
+        assert handle.config == PacingConfig()
+
+
+def test_run_dir_precedence(tmp_path, monkeypatch):
+    monkeypatch.setenv("PACE_RUN_DIR", str(tmp_path / "env"))
+    config = ProjectConfiguration(project_dir=str(tmp_path / "proj"), logging_dir=str(tmp_path / "logs"))
+    with_dirs = Accelerator(cpu=True, project_config=config)
+    assert _run_dir(with_dirs, tmp_path / "arg") == tmp_path / "arg"  # the argument first
+    assert _run_dir(with_dirs, None) == tmp_path / "logs"  # then the trackers' directory
+    assert _run_dir(Accelerator(cpu=True, project_dir=tmp_path / "proj"), None) == tmp_path / "proj"
+    plain = Accelerator(cpu=True)
+    assert _run_dir(plain, None) == tmp_path / "env"  # then $PACE_RUN_DIR
+    monkeypatch.delenv("PACE_RUN_DIR")
+    default = _run_dir(plain, None)
+    assert default.parent == Path.cwd() / "pace_runs"
+
+
+def test_unregister_restores_the_fsdp2_collectives_it_wrapped():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from pace_strategy.hooks.fsdp import (
+        PacedAllGather,
+        _param_group,
+        register_paced_collectives,
+        unregister_paced_collectives,
+    )
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        mesh = init_device_mesh("cpu", (1,))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        groups = [_param_group(m) for m in (model[0], model)]
+        own = [(g._all_gather_comm, g._reduce_scatter_comm) for g in groups]
+        assert register_paced_collectives(model, SimpleNamespace()) == 2
+        assert all(isinstance(g._all_gather_comm, PacedAllGather) for g in groups)
+        assert unregister_paced_collectives(model) == 2
+        assert [(g._all_gather_comm, g._reduce_scatter_comm) for g in groups] == own
+        assert unregister_paced_collectives(model) == 0
+    finally:
+        dist.destroy_process_group()
