@@ -9,6 +9,8 @@ Lightning or Accelerate.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pace_strategy._imports import lazy_attributes, when_imported
@@ -109,17 +111,16 @@ def __dir__() -> list[str]:
     return __all__
 
 
-def _register_lightning() -> None:
-    from pace_strategy.integrations.lightning import register_lightning_strategies
+def _load_adapter(module: str) -> Callable[[], None]:
+    # The adapter modules register their strategies when imported, so a hook only imports. When it
+    # is the adapter itself that imports Lightning, the hook finds it half-initialized (import
+    # returns it as it is) and the adapter registers at its own end.
 
-    register_lightning_strategies()
+    def load() -> None:
+        importlib.import_module(module)
+
+    return load
 
 
-def _register_pytorch_lightning() -> None:
-    from pace_strategy.integrations.pytorch_lightning import register_pytorch_lightning_strategies
-
-    register_pytorch_lightning_strategies()
-
-
-when_imported("lightning.pytorch", _register_lightning)
-when_imported("pytorch_lightning", _register_pytorch_lightning)
+when_imported("lightning.pytorch", _load_adapter("pace_strategy.integrations.lightning"))
+when_imported("pytorch_lightning", _load_adapter("pace_strategy.integrations.pytorch_lightning"))

@@ -49,17 +49,18 @@ def _run_hook(module_name: str, hook: Callable[[], None]) -> None:
 
 
 class _HookedLoader(importlib.abc.Loader):
-    """The framework module's own loader, plus our hook after the module has executed."""
+    """The framework module's own loader, plus the module's hooks once it has executed."""
 
-    def __init__(self, loader: Any, module_name: str, hook: Callable[[], None]) -> None:
-        self._loader, self._module_name, self._hook = loader, module_name, hook
+    def __init__(self, loader: Any, finder: _PostImportFinder, module_name: str) -> None:
+        self._loader, self._finder, self._module_name = loader, finder, module_name
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self._loader.exec_module(module)
-        _run_hook(self._module_name, self._hook)
+        for hook in self._finder.take(self._module_name):
+            _run_hook(self._module_name, hook)
 
     def __getattr__(self, name: str) -> Any:  # get_resource_reader, is_package, get_filename, ...
         return getattr(self._loader, name)
@@ -67,34 +68,38 @@ class _HookedLoader(importlib.abc.Loader):
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
     """Finds nothing itself: for a watched module it asks the other finders for the spec and wraps the
-    spec's loader so that the hook runs once the module is fully executed."""
+    spec's loader so that the hooks run once the module is fully executed.
+
+    The hooks are taken when the module executes, not when its spec is found: a mere probe
+    (``importlib.util.find_spec``, as Lightning does to see which packages exist) imports nothing.
+    """
 
     def __init__(self) -> None:
-        self.hooks: dict[str, list[Callable[[], None]]] = {}
+        self._hooks: dict[str, list[Callable[[], None]]] = {}
         self._searching: set[str] = set()
         self._lock = threading.Lock()
 
+    def add(self, module_name: str, hook: Callable[[], None]) -> None:
+        with self._lock:
+            self._hooks.setdefault(module_name, []).append(hook)
+
+    def take(self, module_name: str) -> list[Callable[[], None]]:
+        with self._lock:
+            return self._hooks.pop(module_name, [])
+
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         with self._lock:
-            if fullname not in self.hooks or fullname in self._searching:
+            if fullname not in self._hooks or fullname in self._searching:
                 return None
             self._searching.add(fullname)
         try:
             spec = importlib.util.find_spec(fullname)
         finally:
-            self._searching.discard(fullname)
+            with self._lock:
+                self._searching.discard(fullname)
         if spec is None or spec.loader is None:
             return None
-        with self._lock:
-            hooks = self.hooks.pop(fullname, [])
-        if not hooks:
-            return None
-
-        def run_all() -> None:
-            for hook in hooks:
-                hook()
-
-        spec.loader = _HookedLoader(spec.loader, fullname, run_all)
+        spec.loader = _HookedLoader(spec.loader, self, fullname)
         return spec
 
 
@@ -107,7 +112,6 @@ def when_imported(module_name: str, hook: Callable[[], None]) -> None:
     if module_name in sys.modules:
         _run_hook(module_name, hook)
         return
-    with _FINDER._lock:
-        _FINDER.hooks.setdefault(module_name, []).append(hook)
+    _FINDER.add(module_name, hook)
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)

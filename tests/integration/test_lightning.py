@@ -1,12 +1,19 @@
-"""Real Lightning Trainers, 2 CPU processes with gloo, through the demo script."""
+"""Real Lightning Trainers: 2 CPU processes with gloo through the demo script, and one in-process."""
 
 from __future__ import annotations
 
+import os
 import statistics
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.utils.data import DataLoader
 
+from pace_strategy.integrations.lightning import PacedDDPStrategy
 from pace_strategy.telemetry import TAGS, lead_tag, read_run_record
 from tests.integration.helpers import only_version_dir, read_scalars, run_demo
 
@@ -109,3 +116,58 @@ def test_bad_configuration_fails_before_training_with_the_field_named(tmp_path):
     assert not (tmp_path / "runs").exists(), "nothing may start on bad configuration"
     out = run_demo(tmp_path, *COMMON, "--steps", "5", "--pacing", "exchange_every_step=8", timeout=60)
     assert "Did you mean 'exchange_every_steps'?" in out.stderr
+
+
+class _TinyModule(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 2)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("monitor", ["grad_ready", "comm_hook"])
+def test_a_user_comm_hook_does_the_communication_on_cpu(tmp_path, monitor):
+    # Stock DDPStrategy drops comm hooks on CPU; the paced strategy registers the user's (wrapped by
+    # its wrapper) on every device, and it still does the reduction under either monitor.
+    buckets, wrapped_calls = [], []
+
+    def counting_hook(state, bucket):
+        buckets.append(bucket.index())
+        return default_hooks.allreduce_hook(state, bucket)
+
+    def wrapper(hook):
+        def wrapped(state, bucket):
+            wrapped_calls.append(bucket.index())
+            return hook(state, bucket)
+
+        return wrapped
+
+    strategy = PacedDDPStrategy(
+        pacing={"ddp_monitor": monitor}, ddp_comm_hook=counting_hook, ddp_comm_wrapper=wrapper
+    )
+    trainer = Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    loader = DataLoader(torch.randn(12, 4), batch_size=4)
+    with mock.patch.dict(os.environ):  # Lightning exports MASTER_ADDR/MASTER_PORT for its group
+        try:
+            trainer.fit(_TinyModule(), loader)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    assert buckets == wrapped_calls == [0, 0, 0], (buckets, wrapped_calls)
+    assert [s["step"] for s in read_run_record(tmp_path).steps] == [0, 1, 2]

@@ -121,3 +121,40 @@ def test_every_public_name_resolves_to_where_it_is_declared():
     )
     assert len(resolved) > 40
     assert all(module.startswith("pace_strategy.") for module in resolved.values()), resolved
+
+
+def test_the_library_never_imports_its_apps_test_support_or_tooling():
+    import ast
+
+    package = Path(__file__).resolve().parents[2] / "pace_strategy"
+    outside = ("pace_strategy.apps", "pace_strategy.testing", "pace_strategy.testbed")
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        part = path.relative_to(package).parts[0]
+        if part in ("apps", "testing", "testbed", "cli.py", "__main__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            offenders += [f"{path.relative_to(package)}: {n}" for n in names if n.startswith(outside)]
+    assert not offenders, offenders
+
+
+def test_a_probe_for_the_framework_does_not_use_up_the_registration():
+    # Lightning asks importlib.util.find_spec which packages exist; only the real import registers.
+    if importlib.util.find_spec("pytorch_lightning") is None:
+        pytest.skip("pytorch_lightning is not installed")
+    registered = _run(
+        textwrap.dedent(
+            """
+            import importlib.util, json, sys
+            import pace_strategy
+            importlib.util.find_spec("pytorch_lightning")
+            assert "pytorch_lightning" not in sys.modules
+            import pytorch_lightning
+            from pytorch_lightning.strategies import StrategyRegistry
+            print(json.dumps({"paced_ddp": "paced_ddp" in StrategyRegistry}))
+            """
+        )
+    )
+    assert registered == {"paced_ddp": True}

@@ -1,0 +1,216 @@
+"""The mixins of the paced Lightning strategies, for both ``lightning.pytorch`` and
+``pytorch_lightning`` (imports neither): each Lightning hook becomes a call on the strategy's
+:class:`~pace_strategy.integrations._lightning_pacing.StrategyPacing` (and, for FSDP, its
+:class:`~pace_strategy.integrations._lightning_fsdp.FSDPSharding`), then Lightning's own.
+
+A package's module declares its classes as ``class PacedDDPStrategy(PacedDDPMixin, DDPStrategy)``,
+whose constructor sets the objects the mixin uses. The mixins are typed against protocols of the
+Lightning methods they extend: only for the type checker (at run time they derive from ``object``,
+and ``super()`` reaches the Lightning class), so that mypy checks every ``@override`` against the
+protocol and, in each concrete class, the mixin against that package's real methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from pace_strategy.core.config import PacingConfig
+from pace_strategy.integrations._lightning_fsdp import FSDPSharding
+from pace_strategy.integrations._lightning_pacing import StrategyPacing, UserCommHook
+from pace_strategy.session import PacingSession
+
+__all__ = ["PacedDDPMixin", "PacedFSDPMixin", "PacedStrategyMixin", "StrategyRegistry"]
+
+#: (registry name, start method) of the paced DDP strategies.
+DDP_STRATEGY_NAMES: tuple[tuple[str, str], ...] = (("paced_ddp", "popen"), ("paced_ddp_spawn", "spawn"))
+
+
+class StrategyRegistry(Protocol):
+    """Lightning's ``StrategyRegistry`` (``_StrategyRegistry`` in both packages)."""
+
+    def register(
+        self,
+        name: str,
+        strategy: Callable[..., Any] | None = None,
+        description: str | None = None,
+        override: bool = False,
+        **init_params: Any,
+    ) -> Callable[..., Any]: ...
+
+
+class _StrategyHooks(Protocol):
+    """The methods of Lightning's ``Strategy`` that :class:`PacedStrategyMixin` extends."""
+
+    def batch_to_device(
+        self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0
+    ) -> Any: ...
+    def process_dataloader(self, dataloader: object) -> object: ...
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any
+    ) -> Any: ...
+    def on_validation_start(self) -> None: ...
+    def on_train_end(self) -> None: ...
+    def on_exception(self, exception: BaseException) -> None: ...
+    def teardown(self) -> None: ...
+
+
+class _DDPHooks(Protocol):
+    """The methods of Lightning's ``DDPStrategy`` that :class:`PacedDDPMixin` extends."""
+
+    def configure_ddp(self) -> None: ...
+    @classmethod
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None: ...
+
+
+class _FSDPHooks(Protocol):
+    """The methods of Lightning's ``ModelParallelStrategy`` that :class:`PacedFSDPMixin` extends."""
+
+    def setup_environment(self) -> None: ...
+    def setup(self, trainer: object) -> None: ...  # the trainer of the strategy's own package
+    @classmethod
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None: ...
+
+
+if TYPE_CHECKING:
+    _StrategyBase = _StrategyHooks
+    _DDPBase = _DDPHooks
+    _FSDPBase = _FSDPHooks
+else:
+    _StrategyBase = _DDPBase = _FSDPBase = object
+
+
+class PacedStrategyMixin(_StrategyBase):
+    """Step events -> :attr:`pacing`; shared by every paced strategy of both Lightning packages.
+
+    Goes before the Lightning strategy class in the bases; the concrete class's constructor sets
+    :attr:`pacing`.
+    """
+
+    pacing: StrategyPacing
+
+    @property
+    def pacing_config(self) -> PacingConfig:
+        """The validated pacing configuration."""
+        return self.pacing.config
+
+    @property
+    def pacing_session(self) -> PacingSession | None:
+        """This rank's session, from setup to teardown."""
+        return self.pacing.session
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        # The last strategy event before the batch's compute: the step starts here.
+        self.pacing.begin_step()
+        return cast(_StrategyHooks, super()).batch_to_device(batch, device, dataloader_idx)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = cast(_StrategyHooks, super()).process_dataloader(dataloader)
+        self.pacing.time_dataloader(dataloader)
+        return dataloader
+
+    @override
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any
+    ) -> Any:
+        output = cast(_StrategyHooks, super()).optimizer_step(optimizer, closure, model, **kwargs)
+        self.pacing.end_step()
+        return output
+
+    @override
+    def on_validation_start(self) -> None:
+        self.pacing.interrupt()
+        cast(_StrategyHooks, super()).on_validation_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self.pacing.finish()
+        cast(_StrategyHooks, super()).on_train_end()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self.pacing.fail(exception)
+        cast(_StrategyHooks, super()).on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        self.pacing.close()
+        cast(_StrategyHooks, super()).teardown()
+
+
+class PacedDDPMixin(PacedStrategyMixin, _DDPBase):
+    """DDP: the monitor of ``PacingConfig.ddp_monitor`` on the wrapped model (see
+    :func:`~pace_strategy.hooks.ddp.attach_paced_ddp`); a user's comm hook keeps doing the
+    communication. The constructor sets :attr:`user_comm_hook` and gives Lightning no hook."""
+
+    user_comm_hook: UserCommHook
+
+    @override
+    def configure_ddp(self) -> None:
+        # Lightning wraps the model in DDP here and registers comm hooks right after (stock
+        # DDPStrategy only on CUDA, silently dropping them on CPU): ours go on every device.
+        cast(_DDPHooks, super()).configure_ddp()
+        self.pacing.attach_ddp(self.user_comm_hook)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
+        for name, start_method in DDP_STRATEGY_NAMES:
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"DDP with skew monitoring and adaptive pacing ({start_method!r} start)",
+                override=True,
+                start_method=start_method,
+            )
+
+
+class PacedFSDPMixin(PacedStrategyMixin, _FSDPBase):
+    """FSDP2 on ``ModelParallelStrategy``: every all-gather and reduce-scatter is timed, and the model
+    is sharded for the user when ``configure_model`` did not do it. The constructor sets
+    :attr:`sharding`."""
+
+    sharding: FSDPSharding
+
+    @property
+    def auto_shard_min_params(self) -> int:
+        """Parameters a block must hold to become its own shard group."""
+        return self.sharding.min_params
+
+    @property
+    def auto_shard_classes(self) -> tuple[type[nn.Module], ...]:
+        """Module classes that are each a shard group."""
+        return self.sharding.module_classes
+
+    @property
+    def shard_groups(self) -> list[str] | None:
+        """What auto-sharding chose (``None``: the user sharded, or not set up yet)."""
+        return self.sharding.groups
+
+    @override
+    def setup_environment(self) -> None:
+        self.sharding.resolve_data_parallel_size()
+        cast(_FSDPHooks, super()).setup_environment()
+
+    @override
+    def setup(self, trainer: object) -> None:
+        with self.sharding.around_setup():  # shards the model, unless configure_model did
+            cast(_FSDPHooks, super()).setup(trainer)
+        self.pacing.attach_fsdp()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
+        strategy_registry.register(
+            "paced_fsdp",
+            cls,
+            description="FSDP2 with skew monitoring and adaptive pacing, auto-sharded when needed",
+            override=True,
+        )
