@@ -17,7 +17,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pace_strategy.apps.recipes import TrainRecipe, one_thread_per_rank, run_lightning
+from pace_strategy.apps.recipes import (
+    TrainRecipe,
+    leave_without_finalization,
+    one_thread_per_rank,
+    run_lightning,
+)
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.settings import build, load_mapping
@@ -132,8 +137,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pace demo: error: {error}", file=sys.stderr)
         return 2
     one_thread_per_rank()
-    from pace_strategy.telemetry.run_record import RECORD_FILENAME, read_run_record, summarize
-
     is_launcher = os.environ.get("LOCAL_RANK") is None
     if is_launcher and not args.quiet:
         print(
@@ -149,11 +152,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         callbacks=_callbacks(args),
         quiet=args.quiet,
     )
-    if trainer.global_rank != 0:
-        return 0
+    if trainer.global_rank == 0:
+        _report(args, trainer, time.monotonic() - t0)
+    leave_without_finalization(0)
+
+
+def _report(args: argparse.Namespace, trainer: Any, elapsed_s: float) -> None:
+    """Rank 0: the summary, the diagnosis and where the logs are."""
+    from pace_strategy.telemetry.run_record import RECORD_FILENAME, read_run_record, summarize
+
     log_dir = Path(trainer.logger.log_dir)
     record_path = log_dir / RECORD_FILENAME
-    print(f"\ntrained {trainer.global_step} steps in {time.monotonic() - t0:.1f} s")
+    print(f"\ntrained {trainer.global_step} steps in {elapsed_s:.1f} s")
     if record_path.exists():
         summary = summarize(read_run_record(record_path))
         print(summary.table())
@@ -171,7 +181,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\n  TensorBoard logs  {log_dir}   (tensorboard --logdir {args.root})")
     if record_path.exists():
         print(f"  run record        {record_path}   (pace diagnose {log_dir})")
-    return 0
 
 
 if __name__ == "__main__":
