@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     )
     from pace_strategy.hooks.fsdp import auto_shard, register_paced_collectives
     from pace_strategy.integrations.accelerate import PacingHandle, attach_pacing
+    from pace_strategy.integrations.huggingface import PacingCallback
     from pace_strategy.integrations.lightning import PacedDDPStrategy, PacedFSDPStrategy
     from pace_strategy.session import PacingSession
     from pace_strategy.telemetry import RunRecord, read_run_record, summarize
@@ -67,6 +68,7 @@ _WHERE = {
     "register_paced_collectives": "pace_strategy.hooks.fsdp",
     "PacingHandle": "pace_strategy.integrations.accelerate",
     "attach_pacing": "pace_strategy.integrations.accelerate",
+    "PacingCallback": "pace_strategy.integrations.huggingface",
     "PacedDDPStrategy": "pace_strategy.integrations.lightning",
     "PacedFSDPStrategy": "pace_strategy.integrations.lightning",
     "PacingSession": "pace_strategy.session",
@@ -84,6 +86,7 @@ __all__ = [
     "PacedFSDPStrategy",
     "PacedHookState",
     "Pacer",
+    "PacingCallback",
     "PacingConfig",
     "PacingConfigError",
     "PacingHandle",
@@ -123,4 +126,5 @@ def _load_adapter(module: str) -> Callable[[], None]:
 
 
 when_imported("lightning.pytorch", _load_adapter("pace_strategy.integrations.lightning"))
+when_imported("lightning.fabric", _load_adapter("pace_strategy.integrations.fabric"))
 when_imported("pytorch_lightning", _load_adapter("pace_strategy.integrations.pytorch_lightning"))

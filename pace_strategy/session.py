@@ -3,7 +3,8 @@
 An adapter starts a session once the process group exists (``PacingSession.with_side_group`` or
 ``PacingSession.start``, collective: they gather the topology), forwards the framework's step events to
 ``session.pacer`` / ``session.end_step``, and calls ``finish`` (all ranks, normal end) or ``fail``
-(local, on an exception; no collective). Only rank 0 writes telemetry.
+(local, on an exception; no collective). Only rank 0 writes telemetry. The run record is created at
+its first write: a session that saw no training step leaves no file and no directory.
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ class PacingSession:
         group: the process group of the window exchange (``None`` for a single process).
         framework: recorded in the run record's header (``"lightning"``, ``"accelerate"``, ...).
         topology: every rank's placement, indexed by rank (written to the run record's header).
-        log_dir: rank 0: the directory of the run record (none is written without it).
+        log_dir: rank 0: the directory of the run record (none is written without it). Nothing is
+            created there before the first window is written, or the session closes after at
+            least one step.
         metrics_sink: rank 0: receives every step's ``pace/`` tags.
         clock: how durations are measured (default: ``clock_for_device(device)``).
         owns_group: release ``group`` at :meth:`finish`.
@@ -237,6 +240,11 @@ class PacingSession:
     def finished(self) -> bool:
         return self._finished
 
+    @property
+    def record_created(self) -> bool:
+        """Whether the run record exists on disk (``record_path`` is only where it goes)."""
+        return self.record is not None and self.record.created
+
     def fail(self, error: BaseException) -> None:
         """Training failed on this rank: close the run record without any collective (peers may be gone)."""
         if self._finished:
@@ -250,7 +258,7 @@ class PacingSession:
             self.pacer.steps_seen,
             type(error).__name__,
             error,
-            f"; run record kept at {self.record_path}" if self.record_path is not None else "",
+            f"; run record kept at {self.record_path}" if self.record_created else "",
         )
 
     def _close(self, status: str, error: BaseException | None) -> None:
@@ -268,7 +276,10 @@ class PacingSession:
                 "telemetry_thread_us_per_step": self.publish_ns / 1e3 / steps,
             }
             message = None if error is None else f"{type(error).__name__}: {error}"
-            self.record.close(status, message, extra={"rank0_pacer_cost": cost})
+            # A run that never stepped (set up, then stopped or failed) leaves no record behind.
+            self.record.close(
+                status, message, extra={"rank0_pacer_cost": cost}, create=self.pacer.steps_seen > 0
+            )
 
 
 class _Publisher:

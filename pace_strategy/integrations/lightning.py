@@ -23,6 +23,7 @@ from pace_strategy.integrations._lightning_mixins import PacedDDPMixin, PacedFSD
 from pace_strategy.integrations._lightning_pacing import (
     CommHookWrapper,
     PacingArg,
+    RunDirArg,
     StrategyPacing,
     UserCommHook,
 )
@@ -36,6 +37,10 @@ class PacedDDPStrategy(PacedDDPMixin, DDPStrategy):
     Args:
         pacing: a :class:`~pace_strategy.PacingConfig`, a mapping of its fields, or ``None`` for the
             defaults.
+        run_dir: the directory of rank 0's run record ``pace_run.jsonl``. Default: the logger's
+            ``log_dir``, else ``$PACE_RUN_DIR``, else none is written (``logger=False``). With one
+            process, a run directory (this or ``$PACE_RUN_DIR``) is what turns monitoring on; under
+            ``fast_dev_run`` nothing is written at all.
         ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper: a DDP communication hook, as
             ``DDPStrategy`` takes it (keyword only). It is registered on every device (stock
             Lightning drops it on CPU) and keeps doing the communication.
@@ -48,12 +53,13 @@ class PacedDDPStrategy(PacedDDPMixin, DDPStrategy):
         self,
         *,
         pacing: PacingArg = None,
+        run_dir: RunDirArg = None,
         ddp_comm_state: object = None,
         ddp_comm_hook: CommHook | None = None,
         ddp_comm_wrapper: CommHookWrapper | None = None,
         **kwargs: Any,
     ) -> None:
-        self.pacing = StrategyPacing(pacing, self)
+        self.pacing = StrategyPacing(pacing, self, run_dir)
         self.user_comm_hook = UserCommHook(ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
         # No hook for Lightning (configure_ddp registers it); the state still goes there, for its
         # post-localSGD model averaging.
@@ -70,6 +76,7 @@ class PacedFSDPStrategy(PacedFSDPMixin, ModelParallelStrategy):
 
     Args:
         pacing: a :class:`~pace_strategy.PacingConfig`, a mapping of its fields, or ``None``.
+        run_dir: the run record's directory, as for :class:`PacedDDPStrategy`.
         auto_shard_min_params: parameters a block must hold to become its own shard group.
         auto_shard_classes: module classes that are each a shard group (overrides the size rule).
         data_parallel_size: FSDP shard dimension; ``"auto"`` = world size / tensor parallel size.
@@ -83,13 +90,14 @@ class PacedFSDPStrategy(PacedFSDPMixin, ModelParallelStrategy):
         self,
         *,
         pacing: PacingArg = None,
+        run_dir: RunDirArg = None,
         auto_shard_min_params: int = 100_000,
         auto_shard_classes: Sequence[type[nn.Module]] = (),
         data_parallel_size: int | Literal["auto"] = "auto",
         tensor_parallel_size: int | Literal["auto"] = "auto",
         **kwargs: Any,
     ) -> None:
-        self.pacing = StrategyPacing(pacing, self)
+        self.pacing = StrategyPacing(pacing, self, run_dir)
         self.sharding = FSDPSharding(
             self,
             min_params=auto_shard_min_params,

@@ -21,6 +21,7 @@ from pace_strategy.integrations._lightning_mixins import PacedDDPMixin, PacedFSD
 from pace_strategy.integrations._lightning_pacing import (
     CommHookWrapper,
     PacingArg,
+    RunDirArg,
     StrategyPacing,
     UserCommHook,
 )
@@ -38,12 +39,13 @@ class PacedDDPStrategy(PacedDDPMixin, DDPStrategy):
         self,
         *,
         pacing: PacingArg = None,
+        run_dir: RunDirArg = None,
         ddp_comm_state: object = None,
         ddp_comm_hook: CommHook | None = None,
         ddp_comm_wrapper: CommHookWrapper | None = None,
         **kwargs: Any,
     ) -> None:
-        self.pacing = StrategyPacing(pacing, self)
+        self.pacing = StrategyPacing(pacing, self, run_dir)
         self.user_comm_hook = UserCommHook(ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
         super().__init__(ddp_comm_state=ddp_comm_state, **kwargs)  # the hook: configure_ddp
 
@@ -58,13 +60,14 @@ class PacedFSDPStrategy(PacedFSDPMixin, ModelParallelStrategy):
         self,
         *,
         pacing: PacingArg = None,
+        run_dir: RunDirArg = None,
         auto_shard_min_params: int = 100_000,
         auto_shard_classes: Sequence[type[nn.Module]] = (),
         data_parallel_size: int | Literal["auto"] = "auto",
         tensor_parallel_size: int | Literal["auto"] = "auto",
         **kwargs: Any,
     ) -> None:
-        self.pacing = StrategyPacing(pacing, self)
+        self.pacing = StrategyPacing(pacing, self, run_dir)
         self.sharding = FSDPSharding(
             self,
             min_params=auto_shard_min_params,

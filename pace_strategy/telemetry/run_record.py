@@ -2,7 +2,9 @@
 
 Lines, in order: one ``header`` (schema, world size, config, topology), then ``step`` and ``decision``
 lines as windows arrive, then one ``end`` line. Each window is flushed to disk, so a crash loses at
-most the window in flight; a reader tolerates a truncated last line. See docs/telemetry.md.
+most the window in flight; a reader tolerates a truncated last line. The file (and its directory) is
+created at the first write, not when the writer is built: a run that writes nothing leaves nothing.
+See docs/telemetry.md.
 """
 
 from __future__ import annotations
@@ -96,7 +98,11 @@ def decision_line(d: Decision, after_step: int) -> dict[str, Any]:
 
 
 class RunRecordWriter:
-    """Appends the run record as JSON lines; only rank 0 owns one."""
+    """Appends the run record as JSON lines; only rank 0 owns one.
+
+    Nothing touches the disk until the first window (or :meth:`close`) is written: then the
+    directory is made, the file is opened and the header goes first.
+    """
 
     def __init__(
         self,
@@ -108,8 +114,8 @@ class RunRecordWriter:
         extra: Mapping[str, Any] | None = None,
     ) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = self.path.open("w", encoding="utf-8")
+        self._file: IO[str] | None = None
+        self._closed = False
         self.steps_written = 0
         header = {
             "record": "header",
@@ -123,7 +129,12 @@ class RunRecordWriter:
         }
         if extra:
             header.update(extra)
-        self._write([header])
+        self._header: dict[str, Any] | None = header  #: written with the first lines
+
+    @property
+    def created(self) -> bool:
+        """Whether the file exists: something was written to it."""
+        return self._header is None
 
     def write_window(self, summaries: Iterable[StepSummary], decision: Decision | None) -> None:
         lines = [step_line(s) for s in summaries]
@@ -134,19 +145,39 @@ class RunRecordWriter:
         self._write(lines)
 
     def close(
-        self, status: str = "completed", error: str | None = None, extra: Mapping[str, Any] | None = None
+        self,
+        status: str = "completed",
+        error: str | None = None,
+        extra: Mapping[str, Any] | None = None,
+        *,
+        create: bool = True,
     ) -> None:
-        if self._file is None:
+        """Write the ``end`` line and close the file; idempotent.
+
+        ``create=False``: a record that nothing was written to yet stays absent (no file, no
+        directory) instead of getting a header and an ``end`` line.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if not self.created and not create:
             return
         end = {"record": "end", "status": status, "error": error, "steps": self.steps_written}
         end.update(extra or {})
-        self._write([end])
-        self._file.close()
-        self._file = None
+        self._write([end], closing=True)
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
-    def _write(self, objs: Iterable[Mapping[str, Any]]) -> None:
-        if self._file is None:
+    def _write(self, objs: Iterable[Mapping[str, Any]], *, closing: bool = False) -> None:
+        if self._closed and not closing:
             raise RuntimeError(f"run record {self.path} is already closed")
+        if self._header is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("w", encoding="utf-8")
+            objs = [self._header, *objs]
+            self._header = None
+        assert self._file is not None, "the file is open from the first write to close"
         self._file.write("".join(json.dumps(o, separators=(",", ":")) + "\n" for o in objs))
         self._file.flush()
 

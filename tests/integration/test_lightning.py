@@ -148,8 +148,11 @@ def test_a_user_comm_hook_does_the_communication_on_cpu(tmp_path, monitor):
 
         return wrapped
 
-    strategy = PacedDDPStrategy(
-        pacing={"ddp_monitor": monitor}, ddp_comm_hook=counting_hook, ddp_comm_wrapper=wrapper
+    strategy = PacedDDPStrategy(  # one process monitors only when a record is asked for
+        pacing={"ddp_monitor": monitor},
+        ddp_comm_hook=counting_hook,
+        ddp_comm_wrapper=wrapper,
+        run_dir=tmp_path,
     )
     trainer = Trainer(
         strategy=strategy,

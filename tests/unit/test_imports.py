@@ -84,6 +84,25 @@ def test_strategies_are_registered_whichever_is_imported_first(first, package):
     assert all(module.startswith("pace_strategy.integrations.") for module in names.values()), names
 
 
+@pytest.mark.parametrize("first", ["pace_strategy", "framework"])
+def test_fabric_strategies_are_registered_whichever_is_imported_first(first):
+    order = ["pace_strategy", "lightning.fabric"]
+    order = order if first == "pace_strategy" else order[::-1]
+    names = _run(
+        textwrap.dedent(
+            f"""
+        import importlib, json
+        for name in {order!r}:
+            importlib.import_module(name)
+        from lightning.fabric.strategies import STRATEGY_REGISTRY
+        names = ("paced_ddp", "paced_ddp_spawn")
+        print(json.dumps({{n: STRATEGY_REGISTRY[n]["strategy"].__module__ for n in names}}))
+            """
+        )
+    )
+    assert names == dict.fromkeys(("paced_ddp", "paced_ddp_spawn"), "pace_strategy.integrations.fabric")
+
+
 def test_public_names_load_on_first_use():
     loaded = _run(
         textwrap.dedent(

@@ -11,6 +11,7 @@ import torch
 import pace_strategy.session
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.session import PacingSession
+from pace_strategy.telemetry.run_record import read_run_record
 
 
 def _session(tmp_path, **kwargs) -> PacingSession:
@@ -72,3 +73,38 @@ def test_start_gathers_this_ranks_placement(tmp_path):
     (placement,) = session.topology
     assert placement["rank"] == 0 and placement["local_rank"] == 3
     session.close()
+
+
+def test_the_run_record_is_created_at_its_first_write_not_at_start(tmp_path):
+    run_dir = tmp_path / "run"
+    session = _session(tmp_path, log_dir=run_dir)
+    assert session.record_path == run_dir / "pace_run.jsonl"
+    assert not run_dir.exists() and not session.record_created  # started: nothing on disk yet
+    _train(session, 3)  # less than a window
+    assert not run_dir.exists()
+    _train(session, 4)
+    session.finish()
+    assert session.record_created
+    record = read_run_record(run_dir)
+    assert record.end["status"] == "completed" and len(record.steps) == 7
+
+
+@pytest.mark.parametrize("end", ["finish", "close", "fail"])
+def test_a_session_that_never_stepped_leaves_nothing(tmp_path, end):
+    run_dir = tmp_path / "run"
+    session = _session(tmp_path, log_dir=run_dir)
+    if end == "fail":
+        session.fail(RuntimeError("boom"))
+    else:
+        getattr(session, end)()
+    assert not run_dir.exists() and not session.record_created
+
+
+def test_a_run_that_failed_before_its_first_window_keeps_a_record_of_the_failure(tmp_path, caplog):
+    session = _session(tmp_path, log_dir=tmp_path / "run")
+    _train(session, 2)
+    with caplog.at_level(logging.ERROR, logger="pace_strategy.session"):
+        session.fail(RuntimeError("boom"))
+    record = read_run_record(tmp_path / "run")
+    assert record.end["status"] == "failed" and "boom" in record.end["error"] and record.steps == []
+    assert f"run record kept at {session.record_path}" in caplog.text

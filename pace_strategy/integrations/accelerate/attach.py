@@ -3,8 +3,8 @@
 accelerate's ``DistributedDataParallelKwargs`` cannot carry a custom comm hook, so the DDP monitor
 goes on the prepared model (an FSDP2 model's all-gathers and reduce-scatters go through the pacer
 instead). Steps are marked from the model's forward, the prepared dataloaders and the optimizer's
-step; telemetry goes through ``accelerator.log``. Everything registered is kept on the
-:class:`PacingHandle`, which removes it again (:meth:`PacingHandle.detach`).
+step; telemetry goes through ``accelerator.log`` (or a given sink). Everything registered is kept
+on the :class:`PacingHandle`, which removes it again (:meth:`PacingHandle.detach`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from pace_strategy.core.config import PacingConfig
@@ -33,9 +34,9 @@ from pace_strategy.integrations.accelerate.env import (
     run_dir_from_env,
 )
 from pace_strategy.integrations.data import time_dataloader
-from pace_strategy.session import PacingSession
+from pace_strategy.session import MetricsSink, PacingSession
 
-__all__ = ["PacingHandle", "attach_pacing"]
+__all__ = ["PacingHandle", "attach_pacing", "is_paceable"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class PacingHandle:
         self.steps = 0  #: synchronized optimizer steps seen
         self._model = model
         self._undo: list[Callable[[], object]] = []  # one per registration, undone in reverse
+        #: attached by ``pace launch`` itself (``zero_code``): the script's own attach_pacing takes it over
+        self._automatic = False
 
     @property
     def record_path(self) -> Path | None:
@@ -130,12 +133,15 @@ def attach_pacing(
     optimizer: Any | None = None,
     dataloaders: Iterable[Any] | None = None,
     run_dir: str | os.PathLike[str] | None = None,
+    metrics_sink: MetricsSink | None = None,
 ) -> PacingHandle:
     """Monitor and pace ``model``, the DDP or FSDP2 model ``accelerator.prepare(...)`` returned.
 
     Call it after ``prepare`` on every rank (collective: it starts the session), and end with
     ``handle.finish()`` on every rank, before ``accelerator.end_training()`` (or use the handle as a
     context manager). Attaching to a model that is already attached raises; ``detach()`` first.
+    Under ``pace launch`` the model is attached right after ``prepare`` (zero-code pacing); this
+    call then returns that handle, or, given any argument below, replaces it.
 
     Args:
         config: the pacing configuration; without it, the ``PACE_*`` variables (``pace launch`` sets
@@ -147,13 +153,22 @@ def attach_pacing(
         run_dir: the run record's directory (rank 0). Default: ``accelerator.logging_dir`` (the
             trackers' directory; it is ``project_dir`` unless set apart), else ``$PACE_RUN_DIR``,
             else ``./pace_runs/<date-time>``.
+        metrics_sink: rank 0: receives every step's ``pace/`` tags and its step, on the telemetry
+            thread (default: ``accelerator.log``, i.e. the accelerator's trackers).
     """
     attached = _ATTACHED.get(id(model))
     if attached is not None:
-        raise PacingConfigError(
-            f"attach_pacing: this {type(model).__name__} is already paced (by the handle the first "
-            "attach_pacing call returned); use that handle, or call its detach() before attaching again."
-        )
+        if not attached._automatic:
+            raise PacingConfigError(
+                f"attach_pacing: this {type(model).__name__} is already paced (by the handle the first "
+                "attach_pacing call returned); use that handle, or call its detach() before attaching "
+                "again."
+            )
+        if all(a is None for a in (config, optimizer, dataloaders, run_dir, metrics_sink)):
+            # the attach pace launch made is this call's: the script takes that handle over
+            attached._automatic = False
+            return attached
+        _take_over(attached)
     if config is None:
         config = config_from_env() or PacingConfig()
     elif any(k.startswith(ENV_PREFIX) and k not in NON_CONFIG_ENV for k in os.environ):
@@ -179,7 +194,7 @@ def attach_pacing(
         device=accelerator.device,
         framework="accelerate",
         log_dir=_run_dir(accelerator, run_dir) if rank == 0 else None,
-        metrics_sink=lambda metrics, step: accelerator.log(dict(metrics), step=step),
+        metrics_sink=metrics_sink or (lambda metrics, step: accelerator.log(dict(metrics), step=step)),
         local_rank=accelerator.local_process_index,
     )
     handle = PacingHandle(model, config, session)
@@ -191,6 +206,20 @@ def attach_pacing(
         handle.detach()
         raise
     return handle
+
+
+def _take_over(automatic: PacingHandle) -> None:
+    """Remove the handle ``pace launch`` attached, so that the script's own attach_pacing call, with
+    its own arguments, attaches instead. Local; a session that saw no step leaves no run record."""
+    if automatic.config.ddp_monitor == "comm_hook" and automatic.session is not None:
+        raise PacingConfigError(
+            "attach_pacing: pace launch already attached this model with ddp_monitor: comm_hook (from "
+            "the pacing_config section), and DDP takes one comm hook per model, so it cannot be "
+            "attached again with other arguments. Call attach_pacing(accelerator, model) without "
+            "arguments to use that handle, or set the fields in pacing_config."
+        )
+    log.info("pace_strategy: attach_pacing replaces the pacing that pace launch attached to this model")
+    automatic.detach()
 
 
 def _register(
@@ -261,6 +290,14 @@ def _run_dir(accelerator: Any, run_dir: str | os.PathLike[str] | None) -> Path:
         if value:
             return Path(value)
     return run_dir_from_env() or Path.cwd() / "pace_runs" / time.strftime("%Y%m%d-%H%M%S")
+
+
+def is_paceable(obj: Any) -> bool:
+    """Whether :func:`attach_pacing` takes ``obj`` (on several processes): a DistributedDataParallel
+    model, or a module sharded with FSDP2."""
+    if isinstance(obj, DistributedDataParallel):
+        return True
+    return isinstance(obj, torch.nn.Module) and _is_fsdp2(obj)
 
 
 def _is_fsdp2(model: Any) -> bool:

@@ -2,7 +2,9 @@
 
 The section is read and validated here, before any worker starts, then stripped: the cleaned config
 goes to a temporary file that accelerate's own launcher reads, and the pacing fields travel to the
-workers as ``PACE_*`` environment variables (``env.py``; ``attach_pacing`` reads them).
+workers as ``PACE_*`` environment variables (``env.py``; ``attach_pacing`` reads them). With the
+section, every worker runs the script through ``bootstrap`` (zero-code pacing: the script needs no
+attach call); without it, this is accelerate launch as it is.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pace_strategy.core.errors import PacingConfigError
+from pace_strategy.integrations.accelerate.bootstrap import LAUNCHER_FLAG, MODULE
 from pace_strategy.integrations.accelerate.env import config_to_env
 
 __all__ = ["main", "prepare_launch"]
@@ -87,7 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "usage: pace launch [accelerate launch arguments] SCRIPT [script arguments]\n\n"
             "Runs `accelerate launch`, first reading the `pacing_config:` section of --config_file\n"
             "(validated; a bad field fails here, before any worker starts) and exporting it as PACE_*\n"
-            "variables for attach_pacing. Every accelerate launch argument passes through."
+            "variables. With the section, pacing attaches to the model accelerator.prepare returns\n"
+            "(and to every transformers Trainer) without any change to the script. Every accelerate\n"
+            "launch argument passes through."
         )
         return 0 if argv else 2
     try:
@@ -96,7 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pace launch: error: {error}", file=sys.stderr)
         return 2
     try:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", *args]
+        # bootstrap runs accelerate's own launcher, which starts each worker through bootstrap
+        launcher = [MODULE, LAUNCHER_FLAG] if env else ["accelerate.commands.launch"]
+        cmd = [sys.executable, "-m", *launcher, *args]
         return subprocess.call(cmd, env={**os.environ, **env})
     except KeyboardInterrupt:
         return 130

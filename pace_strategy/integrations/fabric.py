@@ -1,0 +1,301 @@
+"""Lightning Fabric adapter (``lightning.fabric``): the ``paced_ddp`` / ``paced_ddp_spawn`` strategies of
+``Fabric(strategy=...)``, and :func:`finish_pacing`, the end of a paced run.
+
+:class:`PacedFabricDDPStrategy` is Fabric's own ``DDPStrategy`` plus :class:`FabricPacing`, which turns
+the strategy's events into calls on this rank's :class:`~pace_strategy.session.PacingSession`:
+``fabric.setup(model)`` starts the session and attaches the DDP monitor (``setup_module``), a step
+begins at its first batch (a loader from ``fabric.setup_dataloaders``) or at the model's first
+training forward, and ends at the optimizer step (``optimizer.step()`` reaches the strategy's
+``optimizer_step``). Importing this module registers the strategies (:func:`register_fabric_strategies`,
+idempotent); ``import pace_strategy`` imports it as soon as ``lightning.fabric`` is imported.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import inspect
+import logging
+import os
+import sys
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+from lightning.fabric.utilities.types import Optimizable
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from pace_strategy.core.config import PacingConfig
+from pace_strategy.hooks.ddp import attach_paced_ddp
+from pace_strategy.integrations._lightning_mixins import DDP_STRATEGY_NAMES, StrategyRegistry
+from pace_strategy.integrations._lightning_pacing import PacingArg, as_pacing_config
+from pace_strategy.integrations.accelerate.env import RUN_DIR_ENV, run_dir_from_env
+from pace_strategy.integrations.data import time_dataloader
+from pace_strategy.session import MetricsSink, PacingSession
+
+__all__ = ["FabricPacing", "PacedFabricDDPStrategy", "finish_pacing", "register_fabric_strategies"]
+
+log = logging.getLogger(__name__)
+
+#: How far up the stack :func:`_calling_fabric` looks: Fabric.setup -> setup_module_and_optimizers
+#: -> setup_module is two calls.
+_SETUP_FRAMES = 4
+
+
+class FabricPacing:
+    """The pacing of one Fabric strategy: its config and, from ``fabric.setup`` to
+    :func:`finish_pacing`, this rank's session and the model it paces (the first one set up).
+
+    Args:
+        config: the validated pacing configuration.
+        run_dir: the run record's directory (rank 0); ``None``: the first logger's ``log_dir``, else
+            ``$PACE_RUN_DIR``, else no record.
+    """
+
+    def __init__(self, config: PacingConfig, run_dir: str | os.PathLike[str] | None) -> None:
+        self.config = config
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.session: PacingSession | None = None  #: ``None`` before setup and without monitoring
+        self._model: DistributedDataParallel | None = None
+
+    def attach(self, model: DistributedDataParallel, strategy: DDPStrategy, fabric: Fabric | None) -> None:
+        """Start the session (collective on every rank) and monitor ``model``; only the first model
+        set up is paced, later ones train as with ``ddp``."""
+        if self._model is not None:
+            log.info("pace_strategy: only the first model set up is paced; this one trains as with ddp")
+            return
+        self._model = model
+        if strategy.world_size < 2 and self.run_dir is None and run_dir_from_env() is None:
+            log.info(
+                "pace_strategy: a single process has no skew to monitor; running as ddp "
+                "(pass run_dir= or set %s for a run record anyway)",
+                RUN_DIR_ENV,
+            )
+            return
+        if fabric is None:
+            log.warning("pace_strategy: set up outside Fabric.setup; pace/* telemetry goes to no logger")
+        rank = strategy.global_rank
+        session = PacingSession.with_side_group(
+            self.config,
+            rank=rank,
+            world_size=strategy.world_size,
+            device=strategy.root_device,
+            framework="fabric",
+            log_dir=self._record_dir(fabric) if rank == 0 else None,
+            metrics_sink=_metrics_sink(fabric),
+            node_rank=strategy.node_rank,
+            local_rank=strategy.local_rank,
+        )
+        self.session = session
+        attach_paced_ddp(model, session.pacer)
+        model.register_forward_pre_hook(self._forward)
+        _OPEN.add(self)
+        _close_open_sessions_at_exit()
+        if rank == 0:
+            log.info("pace_strategy: %s mode, run record %s", self.config.mode, session.record_path or "off")
+
+    def _record_dir(self, fabric: Fabric | None) -> Path | None:
+        """Explicit ``run_dir`` > the first logger's directory > ``$PACE_RUN_DIR`` > none."""
+        if self.run_dir is not None:
+            return self.run_dir
+        if fabric is not None and fabric.loggers and fabric.loggers[0].log_dir:
+            return Path(fabric.loggers[0].log_dir)
+        return run_dir_from_env()
+
+    def _live(self) -> PacingSession | None:
+        """The session while it runs and the paced model trains (not in eval mode, not under
+        ``torch.no_grad``): a validation loop is no training step."""
+        session, model = self.session, self._model
+        if session is None or session.finished or model is None:
+            return None
+        return session if model.training and torch.is_grad_enabled() else None
+
+    # A step begins when its first batch is ready (a timed loader) or, for a loop that feeds the model
+    # itself, at its first training forward; it ends after the optimizer step. So an accumulated step
+    # spans all its micro-batches (``begin_step`` is ignored while one is open), and only steps with an
+    # optimizer step, the synchronizing ones under ``fabric.no_backward_sync``, count.
+    def _forward(self, module: nn.Module, args: Any) -> None:
+        if (session := self._live()) is not None:
+            session.pacer.begin_step(session.pacer.steps_seen)
+        elif self.session is not None and not self.session.finished:
+            self.session.pacer.interrupt()  # evaluation: the next step does not follow this one
+
+    def _batch_ready(self, session: PacingSession) -> None:
+        session.pacer.begin_step(session.pacer.steps_seen)
+
+    def time_dataloader(self, dataloader: DataLoader[Any]) -> None:
+        """Count the time ``dataloader``'s iterators block, while training, as data wait."""
+        time_dataloader(dataloader, self._live, on_batch=self._batch_ready)
+
+    def end_step(self) -> None:
+        """The optimizer stepped: the step ends (and a window may be exchanged)."""
+        if self.session is not None and not self.session.finished:
+            self.session.end_step()
+
+    def finish(self) -> None:
+        """The normal end of training (collective: every rank): exchange and log the last steps,
+        close the run record."""
+        if self.session is not None:
+            self.session.finish()
+        _OPEN.discard(self)
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Close locally, without the final exchange: with ``error``, as failed; else ``incomplete``
+        (the steps of the last, unexchanged window are lost). Idempotent."""
+        if self.session is not None:
+            if error is not None:
+                self.session.fail(error)
+            else:
+                self.session.close(status="incomplete")
+        _OPEN.discard(self)
+
+
+class PacedFabricDDPStrategy(DDPStrategy):
+    """Fabric's ``DDPStrategy`` with barrier-arrival skew monitoring and adaptive pacing.
+
+    ``Fabric(strategy="paced_ddp")`` (or ``"paced_ddp_spawn"``) builds it with the defaults; pass an
+    instance for the arguments. End training with :func:`finish_pacing` on every rank.
+
+    Args:
+        pacing: a :class:`~pace_strategy.PacingConfig`, a mapping of its fields, or ``None`` for the
+            defaults; validated here, before any process starts.
+        run_dir: the run record's directory (rank 0). Default: the first Fabric logger's
+            ``log_dir``, else ``$PACE_RUN_DIR``, else no record (an explicit ``run_dir`` wins).
+        **kwargs: ``DDPStrategy``'s other arguments (those it does not name go to
+            ``DistributedDataParallel``).
+    """
+
+    def __init__(
+        self, *, pacing: PacingArg = None, run_dir: str | os.PathLike[str] | None = None, **kwargs: Any
+    ) -> None:
+        self.pacing = FabricPacing(as_pacing_config(pacing), run_dir)
+        super().__init__(**kwargs)
+
+    @property
+    def pacing_config(self) -> PacingConfig:
+        """The validated pacing configuration."""
+        return self.pacing.config
+
+    @property
+    def pacing_session(self) -> PacingSession | None:
+        """This rank's session, from ``fabric.setup`` on (``None`` on a single process without a
+        run directory asked for)."""
+        return self.pacing.session
+
+    @override
+    def setup_module(self, module: nn.Module) -> DistributedDataParallel:
+        ddp = super().setup_module(module)
+        self.pacing.attach(ddp, self, _calling_fabric(self))
+        return ddp
+
+    @override
+    def process_dataloader(self, dataloader: DataLoader[Any]) -> DataLoader[Any]:
+        dataloader = super().process_dataloader(dataloader)
+        self.pacing.time_dataloader(dataloader)
+        return dataloader
+
+    @override
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        self.pacing.end_step()
+        return output
+
+    @override
+    def teardown(self) -> None:
+        self.pacing.close()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
+        for name, start_method in DDP_STRATEGY_NAMES:
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"DDP with skew monitoring and adaptive pacing ({start_method!r} start)",
+                override=True,
+                start_method=start_method,
+            )
+
+
+def finish_pacing(fabric: Fabric) -> None:
+    """End a paced run: exchange and log the last steps and close the run record.
+
+    Call it on every rank (collective) after the training loop, before ``fabric.logger.finalize(...)``
+    and before the processes part ways. It does nothing when ``fabric``'s strategy is not paced, on a
+    single process, and when called again. Without it, the run record is closed at interpreter exit
+    as ``incomplete`` (``failed`` after an uncaught exception), without its last window.
+    """
+    strategy = fabric.strategy
+    if isinstance(strategy, PacedFabricDDPStrategy):
+        strategy.pacing.finish()
+
+
+def register_fabric_strategies() -> None:
+    """Register ``paced_ddp`` and ``paced_ddp_spawn`` in ``lightning.fabric``'s strategy registry
+    (idempotent)."""
+    PacedFabricDDPStrategy.register_strategies(STRATEGY_REGISTRY)
+
+
+def _calling_fabric(strategy: DDPStrategy) -> Fabric | None:
+    """The Fabric whose ``setup`` / ``setup_module`` is calling ``strategy.setup_module``.
+
+    Fabric (2.6) gives its strategy no reference to itself, so no way to its loggers; the one Fabric
+    method that holds both is the one calling the strategy. This reads that caller's ``self`` off the
+    stack, once per setup, and uses only Fabric's public ``strategy``, ``loggers`` and ``log_dict``.
+    It is the only place pace_strategy does so; tests/integration/test_fabric.py fails if it stops
+    finding the Fabric. Not found (a strategy set up by hand): no telemetry, and a run record only
+    with ``run_dir=`` or ``$PACE_RUN_DIR``.
+    """
+    frame = inspect.currentframe()
+    try:
+        for _ in range(_SETUP_FRAMES):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                break
+            caller = frame.f_locals.get("self")
+            if isinstance(caller, Fabric) and caller.strategy is strategy:
+                return caller
+    finally:
+        del frame  # a frame reference would keep every local of the stack alive
+    return None
+
+
+def _metrics_sink(fabric: Fabric | None) -> MetricsSink | None:
+    if fabric is None or not fabric.loggers:
+        return None
+
+    def sink(metrics: Any, step: int) -> None:
+        fabric.log_dict(dict(metrics), step=step)
+
+    return sink
+
+
+#: Sessions started and not yet finished or closed (closed at interpreter exit).
+_OPEN: weakref.WeakSet[FabricPacing] = weakref.WeakSet()
+
+
+@functools.cache
+def _close_open_sessions_at_exit() -> None:
+    """Register, once per process, the exit handler for scripts that never call :func:`finish_pacing`."""
+    atexit.register(_close_open_sessions)
+
+
+def _close_open_sessions() -> None:
+    # Local close, no collective: at exit the peers may be gone. Python sets sys.last_value before
+    # the exit handlers run when the script died of an uncaught exception.
+    error = getattr(sys, "last_value", None)
+    for pacing in list(_OPEN):
+        pacing.close(error if isinstance(error, BaseException) else None)
+
+
+# Registered as soon as the classes exist: ``import pace_strategy`` imports this module when
+# ``lightning.fabric`` is imported, and a program that imports this module first (so that it is this
+# module that imports Lightning) gets the names too.
+register_fabric_strategies()

@@ -1,0 +1,195 @@
+"""Hugging Face ``transformers.Trainer`` adapter: :class:`PacingCallback`, pacing for the model a Trainer
+trains, with the ``pace/`` tags in the Trainer's own TensorBoard logs.
+
+The Trainer runs on an Accelerator of its own, so the callback delegates to
+:func:`~pace_strategy.integrations.accelerate.attach_pacing` (the same hooks: the DDP monitor or the
+FSDP2 collectives, a step from the first batch to the optimizer step that synchronizes gradients,
+input wait in the training dataloader). Only its telemetry differs: the Trainer reports through its
+callbacks, not ``accelerator.log``, so the tags go to the writer of its ``TensorBoardCallback``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from transformers import TrainerCallback
+from typing_extensions import override
+
+from pace_strategy.core.config import PacingConfig
+from pace_strategy.integrations.accelerate.attach import PacingHandle, attach_pacing, is_paceable
+from pace_strategy.integrations.accelerate.env import run_dir_from_env
+
+if TYPE_CHECKING:
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+__all__ = ["PacingCallback"]
+
+log = logging.getLogger(__name__)
+
+
+class PacingCallback(TrainerCallback):
+    """Monitor and pace the model ``trainer`` trains (DDP or FSDP2, two processes or more).
+
+    ::
+
+        trainer = Trainer(model=model, args=args, train_dataset=train)
+        trainer.add_callback(PacingCallback(trainer))
+        trainer.train()
+
+    At ``on_train_begin`` (every rank) it attaches to ``trainer.model_wrapped``, with the Trainer's
+    optimizer and training dataloader; at ``on_train_end`` it finishes (every rank). A step is an
+    optimizer step: with ``gradient_accumulation_steps`` only the synchronizing micro-batch ends one.
+    The ``pace/`` tags go to the Trainer's TensorBoard writer (``report_to`` with ``"tensorboard"``)
+    at the Trainer's ``global_step``, beside its ``train/loss``; without that writer only the run
+    record is written. Under ``pace launch`` every Trainer gets one without any code.
+
+    Args:
+        trainer: the Trainer this callback is added to (the callback needs its accelerator and its
+            wrapped model, which a callback's arguments do not carry).
+        config: the pacing configuration; default: the ``PACE_*`` variables (``pace launch`` sets
+            them from ``pacing_config:``), else the defaults.
+        run_dir: the run record's directory (rank 0). Default: the Trainer's TensorBoard directory,
+            else ``$PACE_RUN_DIR``, else ``args.output_dir``.
+    """
+
+    def __init__(
+        self,
+        trainer: Any,
+        config: PacingConfig | None = None,
+        *,
+        run_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.trainer = trainer
+        self.config = config
+        self.run_dir = run_dir
+        self.handle: PacingHandle | None = None  #: while training: what attach_pacing returned
+        self._tags = _TrainerTensorBoard(trainer)
+        self._automatic = False  # added by pace launch: gives way to one the script added itself
+
+    @override
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        model = self.trainer.model_wrapped
+        if self._automatic and not self._automatic_attaches(model):
+            return
+        loader, optimizer = kwargs.get("train_dataloader"), kwargs.get("optimizer")
+        self._tags.start(state.global_step)
+        self.handle = attach_pacing(
+            self.trainer.accelerator,
+            model,
+            self.config,
+            optimizer=self.trainer.optimizer if optimizer is None else optimizer,
+            dataloaders=None if loader is None else [loader],
+            run_dir=self._run_dir(args),
+            metrics_sink=self._tags.write,
+        )
+
+    @override
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        handle, self.handle = self.handle, None
+        if handle is None:
+            return
+        try:
+            handle.finish()  # collective: every rank ends training here
+        finally:
+            self._tags.close()
+
+    def _automatic_attaches(self, model: Any) -> bool:
+        """The one pace launch added attaches unless the script added its own, there is a single
+        process, or the model is neither DDP nor FSDP2 (DeepSpeed, ...)."""
+        callbacks = self.trainer.callback_handler.callbacks
+        if any(isinstance(c, PacingCallback) and not c._automatic for c in callbacks):
+            return False
+        if self.trainer.accelerator.num_processes < 2:
+            return False
+        if not is_paceable(model):
+            log.warning("pace launch: the Trainer's model is a %s, neither DDP nor FSDP2: not paced",
+                        type(model).__name__)  # fmt: skip
+            return False
+        return True
+
+    def _run_dir(self, args: TrainingArguments) -> Path:
+        if self.run_dir is not None:
+            return Path(self.run_dir)
+        log_dir = self._tags.log_dir()  # rank 0, where the Trainer writes TensorBoard events
+        return Path(log_dir) if log_dir else run_dir_from_env() or Path(args.output_dir or ".")
+
+
+class _TrainerTensorBoard:
+    """The ``pace/`` tags into the writer of the Trainer's ``TensorBoardCallback`` (rank 0).
+
+    Written on the session's telemetry thread, so a step costs the training thread nothing. The
+    Trainer closes its writer in its own ``on_train_end``, before this callback's (callbacks run in
+    the order added) and so before the last window is published: from then on the tags go to a
+    writer of our own in the same directory, a later event file that TensorBoard reads after the
+    Trainer's. One file is written at a time, so TensorBoard's live reload misses nothing.
+    """
+
+    def __init__(self, trainer: Any) -> None:
+        self._trainer = trainer
+        self._lock = threading.Lock()
+        self._first_step = 0
+        self._log_dir: str | None = None
+        self._used: Any | None = None  # the Trainer's writer, last seen open
+        self._own: Any | None = None
+
+    def start(self, global_step: int) -> None:
+        self._first_step = global_step
+
+    def _trainer_writer(self) -> Any | None:
+        # Imported here: transformers.integrations costs seconds, and a Trainer that reports to
+        # TensorBoard has imported it already.
+        from transformers.integrations import TensorBoardCallback
+
+        for callback in self._trainer.callback_handler.callbacks:
+            if isinstance(callback, TensorBoardCallback) and callback.tb_writer is not None:
+                return callback.tb_writer
+        return None
+
+    def log_dir(self) -> str | None:
+        writer = self._trainer_writer()
+        return None if writer is None else str(writer.get_logdir())
+
+    def write(self, metrics: Mapping[str, float], step: int) -> None:
+        # pace step i (from 0) is the Trainer's (i + 1)-th optimizer step: global_step i + 1
+        global_step = self._first_step + step + 1
+        with self._lock:
+            writer = self._trainer_writer()
+            if writer is not None:
+                self._used, self._log_dir = writer, str(writer.get_logdir())
+                try:
+                    self._add(writer, metrics, global_step)
+                    return
+                except Exception:  # closed by the Trainer between the look-up and the write
+                    pass
+            if self._log_dir is None:
+                return  # the Trainer has no TensorBoard writer: the run record only
+            if self._own is None:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._own = SummaryWriter(log_dir=self._log_dir)
+            self._add(self._own, metrics, global_step)
+
+    @staticmethod
+    def _add(writer: Any, metrics: Mapping[str, float], global_step: int) -> None:
+        for tag, value in metrics.items():
+            writer.add_scalar(tag, value, global_step)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._own is not None:
+                self._own.close()
+                self._own = None
+            if self._used is not None and self._used is not self._trainer_writer():
+                # A write that raced the Trainer's close reopened its writer (torch's SummaryWriter
+                # does on a write after close): close it again. A no-op otherwise.
+                self._used.close()
+            self._used = None

@@ -1,0 +1,144 @@
+"""Zero-code pacing, 2 CPU processes: scripts with nothing of pace_strategy in them, started by `pace
+launch` with a pacing_config section (paced, telemetry in the script's own TensorBoard logs) and by
+plain `accelerate launch` (left alone). An Accelerate loop with gradient accumulation and a
+transformers.Trainer (tiny BERT from a config, report_to tensorboard, gradient accumulation 2).
+
+The three launches start together (module fixture) and overlap: most of their time is imports.
+Explicit attach_pacing under `pace launch` (taking over the automatic attach) runs in
+tests/integration/test_accelerate.py, whose recipe calls it; the parts are unit-tested in
+tests/unit/test_zero_code.py and tests/unit/test_pacing_callback.py."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pace_strategy.telemetry import TAGS, read_run_record
+from tests.integration.helpers import read_scalars
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+
+HERE = Path(__file__).resolve().parent
+CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: {kind}
+num_processes: 2
+num_machines: 1
+machine_rank: 0
+mixed_precision: 'no'
+use_cpu: true
+"""
+PACING = "pacing_config:\n  mode: monitor\n  exchange_every_steps: 4\n  warmup_steps: 2\n"
+PACE = [sys.executable, "-m", "pace_strategy.cli", "launch"]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+#: name -> launcher, accelerate config, script, its arguments after OUT_DIR, extra environment
+LAUNCHES = {
+    "accelerate": (
+        PACE,
+        CONFIG.format(kind="MULTI_CPU") + PACING,
+        "zero_code_accelerate_script.py",
+        "12",
+        {},
+    ),
+    "plain": (
+        ACCELERATE,
+        CONFIG.format(kind="MULTI_GPU"),
+        "zero_code_accelerate_script.py",
+        "2",
+        {"ACCELERATE_USE_CPU": "1", "PACE_MODE": "monitor"},  # PACE_* alone attach nothing
+    ),
+    "trainer": (PACE, CONFIG.format(kind="MULTI_CPU") + PACING, "zero_code_trainer_script.py", "8", {}),
+}
+
+
+class Launch:
+    def __init__(self, root: Path, name: str) -> None:
+        command, config, script, steps, env = LAUNCHES[name]
+        self.dir = root / name
+        self.dir.mkdir()
+        (self.dir / "accel.yaml").write_text(config)
+        self.out = self.dir / "out"
+        self._process = subprocess.Popen(
+            [
+                *command,
+                "--config_file",
+                str(self.dir / "accel.yaml"),
+                str(HERE / script),
+                str(self.out),
+                steps,
+            ],
+            env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+            cwd=self.dir,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def result(self) -> str:
+        """The launch's stdout, once it has ended successfully."""
+        try:
+            stdout, stderr = self._process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            stdout, stderr = self._process.communicate()
+        assert self._process.returncode == 0, stderr[-4000:]
+        return stdout
+
+    def stop(self) -> None:
+        if self._process.poll() is None:
+            self._process.kill()
+        self._process.communicate()
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    root = tmp_path_factory.mktemp("zero_code")
+    started = {name: Launch(root, name) for name in LAUNCHES}
+    yield started
+    for launch in started.values():
+        launch.stop()
+
+
+def check_straggler(record, steps: int) -> None:
+    assert record.end["status"] == "completed" and record.header["world_size"] == 2
+    assert [s["step"] for s in record.steps] == list(range(steps))  # one per optimizer step
+    measured = [s for s in record.steps if not s["warmup"]]
+    assert sum(s["straggler_rank"] == 1 for s in measured) >= 0.8 * len(measured)
+    assert 25.0 < statistics.median(s["skew_ms"] for s in measured) < 80.0
+
+
+def test_an_unchanged_accelerate_script_is_paced_by_pace_launch(launches):
+    launch = launches["accelerate"]
+    stdout = launch.result()
+    assert "prepare wrapped: True" in stdout and "trained 12 steps" in stdout
+    record = read_run_record(launch.out)  # the accelerator's logging_dir
+    assert record.header["config"]["exchange_every_steps"] == 4
+    check_straggler(record, 12)  # 24 micro-batches, accumulation 2: 12 steps
+    scalars = read_scalars(launch.out / "run")  # the script's own TensorBoard tracker
+    assert all(sorted(scalars[tag]) == list(range(12)) for tag in TAGS)
+
+
+def test_plain_accelerate_launch_leaves_the_same_script_alone(launches):
+    launch = launches["plain"]
+    stdout = launch.result()
+    assert "prepare wrapped: False" in stdout and "pace_strategy loaded: False" in stdout
+    assert "trained 2 steps" in stdout and not list(launch.out.rglob("pace_run.jsonl"))
+    assert not any(tag.startswith("pace/") for tag in read_scalars(launch.out / "run"))
+
+
+def test_an_unchanged_trainer_script_gets_pace_tags_in_its_tensorboard_logs(launches):
+    launch = launches["trainer"]
+    stdout = launch.result()
+    assert "'TensorBoardCallback'" in stdout and "'PacingCallback'" in stdout
+    (log_dir,) = (launch.out / "runs").iterdir()  # the Trainer's TensorBoard directory
+    check_straggler(read_run_record(log_dir), 8)  # 16 micro-batches, accumulation 2: 8 steps
+    scalars = read_scalars(log_dir)
+    # At the Trainer's global_step, beside its loss (the last window, published after the Trainer
+    # closed its writer, is in a second event file in the same directory).
+    assert sorted(scalars["train/loss"]) == list(range(1, 9))
+    assert all(sorted(scalars[tag]) == list(range(1, 9)) for tag in TAGS)
+    assert statistics.median(scalars["pace/straggler_rank"].values()) == 1.0

@@ -1,0 +1,43 @@
+"""An ordinary Accelerate training script with nothing of pace_strategy in it, for test_zero_code.py.
+
+    accelerate launch ... zero_code_accelerate_script.py OUT_DIR STEPS
+
+Gradient accumulation 2; rank 1 sleeps 40 ms before each synchronizing micro-batch. Rank 0 prints
+which module's ``Accelerator.prepare`` ran and whether pace_strategy was loaded.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def main(out: str, steps: int) -> None:
+    accelerator = Accelerator(log_with="tensorboard", project_dir=out, gradient_accumulation_steps=2)
+    accelerator.init_trackers("run")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    per_rank = steps * 2 * 2  # micro-batches of 2 samples, 2 per optimizer step
+    data = DataLoader(TensorDataset(torch.randn(per_rank * accelerator.num_processes, 8)), batch_size=2)
+    model, optimizer, loader = accelerator.prepare(net, torch.optim.SGD(net.parameters(), lr=0.01), data)
+    done = 0
+    for (x,) in loader:
+        with accelerator.accumulate(model):
+            if accelerator.sync_gradients and accelerator.process_index == 1:
+                time.sleep(0.04)
+            accelerator.backward(model(x).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        done += accelerator.sync_gradients
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        print(f"prepare wrapped: {hasattr(Accelerator.prepare, '__wrapped__')}", flush=True)
+        print(f"pace_strategy loaded: {'pace_strategy' in sys.modules}; trained {done} steps", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,66 @@
+"""An ordinary transformers.Trainer script with nothing of pace_strategy in it, for test_zero_code.py.
+
+    accelerate launch ... zero_code_trainer_script.py OUT_DIR MAX_STEPS
+
+A tiny BERT built from a config (nothing downloaded), TensorBoard reporting, gradient accumulation
+2; rank 1 sleeps 20 ms in every forward, 40 ms per optimizer step. (In the model, not in a callback:
+the Trainer gathers each step's label count across ranks after loading the step's batches, so a rank
+late before that point is waited for there.) Rank 0 prints the Trainer's callbacks.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+
+
+class SlowOnRank1(BertForSequenceClassification):
+    def forward(self, input_ids=None, labels=None, **kwargs):  # names: the Trainer keeps these columns
+        if dist.get_rank() == 1:
+            time.sleep(0.02)
+        return super().forward(input_ids=input_ids, labels=labels, **kwargs)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 256
+
+    def __getitem__(self, i: int) -> dict:
+        ids = torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": i % 2}
+
+
+def main(out: str, max_steps: int) -> None:
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
+    args = TrainingArguments(
+        output_dir=out,
+        report_to=["tensorboard"],
+        gradient_accumulation_steps=2,
+        max_steps=max_steps,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    trainer = Trainer(model=SlowOnRank1(config), args=args, train_dataset=Tokens())
+    trainer.train()
+    if trainer.is_world_process_zero():
+        names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+        print(f"callbacks: {names}; global_step {trainer.state.global_step}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
