@@ -1,4 +1,5 @@
-"""``pace diagnose RUN_DIR [--json]``: the terminal report, report.html and plots beside the run."""
+"""``pace diagnose RUN_DIR [--json]``: the terminal report, report.html and plots beside the run;
+``pace diagnose --compare RUN_A RUN_B``: two runs side by side."""
 
 from __future__ import annotations
 
@@ -9,23 +10,62 @@ import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.telemetry.run_record import RunRecordError
 
+if TYPE_CHECKING:
+    from pace_strategy.diagnose.arrays import RunArrays
+    from pace_strategy.diagnose.config import DiagnosisConfig
+    from pace_strategy.diagnose.findings import Diagnosis
+
 __all__ = ["build_parser", "main"]
 
 
+def _rank_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        counts = [-1]
+    if any(c < 1 for c in counts):
+        raise argparse.ArgumentTypeError(
+            f"--project-ranks {text!r} is invalid: expected rank counts >= 1 separated by commas "
+            "(e.g. 8,64,512), or '' for no projection"
+        )
+    return counts
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from pace_strategy.diagnose.projection import DEFAULT_PROJECT_RANKS
+
     p = argparse.ArgumentParser(
         prog="pace diagnose",
-        description="Say which failure mode a run shows (straggler, locality, amplification, fabric, data), "
-        "where, and with what evidence; write report.html and PNG plots beside the run.",
+        description="Say which failure mode a run shows (straggler, locality, crowded host, amplification, "
+        "fabric, data), where, with what evidence and what it would cost at scale; write report.html and "
+        "PNG plots beside the run.",
     )
-    p.add_argument("run_dir", help="a directory holding pace_run.jsonl (or a parent holding exactly one)")
+    p.add_argument(
+        "run_dir", nargs="?", help="a directory holding pace_run.jsonl (or a parent holding exactly one)"
+    )
+    p.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("RUN_A", "RUN_B"),
+        help="diagnose two runs and print their numbers, findings and projections side by side "
+        "(before/after a change); writes no report",
+    )
     p.add_argument("--json", action="store_true", help="print the findings as one JSON object")
     p.add_argument("--out", default=None, help="report directory (default: RUN_DIR/pace_report)")
     p.add_argument("--no-report", action="store_true", help="skip the HTML/Markdown report and plots")
+    p.add_argument(
+        "--project-ranks",
+        type=_rank_counts,
+        default=list(DEFAULT_PROJECT_RANKS),
+        metavar="R,R,...",
+        help="rank counts to project every finding to with the simulator calibrated on the run "
+        f"(default {','.join(map(str, DEFAULT_PROJECT_RANKS))}; '' for none)",
+    )
     p.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="override a diagnosis threshold"
     )
@@ -33,20 +73,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from pace_strategy.diagnose.arrays import load_arrays
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.run_dir is None) == (args.compare is None):
+        parser.error("pass RUN_DIR, or --compare RUN_A RUN_B")
     from pace_strategy.diagnose.config import DiagnosisConfig
-    from pace_strategy.diagnose.findings import diagnose
     from pace_strategy.settings import load_mapping
 
     try:
         cfg = DiagnosisConfig.from_dict(load_mapping(None, args.set))
+        if args.compare:
+            return _compare(args, cfg)
         started = time.monotonic()
-        arrays = load_arrays(args.run_dir)
-        result = diagnose(arrays, cfg)
+        arrays, result = _diagnose(args.run_dir, cfg, args.project_ranks)
     except (RunRecordError, PacingConfigError, ValueError) as error:
         print(f"pace diagnose: error: {error}", file=sys.stderr)
         return 2
+    elapsed = time.monotonic() - started
     paths = {}
     if not args.no_report:
         from pace_strategy.diagnose.report import render_report
@@ -62,18 +105,61 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"pace diagnose: {arrays.path}")
     print(
         f"  {arrays.world_size} ranks, {arrays.steps:,} usable steps of {arrays.total_steps:,}, "
-        f"analysed in {time.monotonic() - started:.1f} s"
+        f"analysed in {elapsed:.1f} s"
     )
-    for note in result.notes:
-        print(f"  note: {note}")
-    print()
-    for i, f in enumerate(result.findings, start=1):
-        where = f" — ranks {', '.join(map(str, f.ranks))}" if f.ranks and len(f.ranks) <= 16 else ""
-        print(
-            f"{i}. {f.mode}{where} (confidence {f.confidence:.2f}, ~{f.lost_step_fraction:.1%} of step time)"
-        )
-        print(textwrap.fill(f.evidence, width=100, initial_indent="   ", subsequent_indent="   "))
-        print(textwrap.fill("action: " + f.action, width=100, initial_indent="   ", subsequent_indent="   "))
+    print(_text(result))
     if paths:
         print(f"\nreport: {paths['html']}  (plots and report.md beside it)")
+    return 0
+
+
+def _diagnose(run_dir: str, cfg: DiagnosisConfig, ranks: Sequence[int]) -> tuple[RunArrays, Diagnosis]:
+    from pace_strategy.diagnose.arrays import load_arrays
+    from pace_strategy.diagnose.findings import diagnose
+
+    arrays = load_arrays(run_dir)
+    return arrays, diagnose(arrays, cfg, project_ranks=ranks)
+
+
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, width=100, initial_indent="   ", subsequent_indent="   ")
+
+
+def _text(result: Diagnosis) -> str:
+    """The findings as the terminal shows them (notes first, the projection's assumption last)."""
+    from pace_strategy.diagnose.findings import projection_text
+
+    lines = [f"  note: {note}" for note in result.notes]
+    lines.append("")
+    for i, f in enumerate(result.findings, start=1):
+        where = f" — ranks {', '.join(map(str, f.ranks))}" if f.ranks and len(f.ranks) <= 16 else ""
+        lines.append(
+            f"{i}. {f.mode}{where} (confidence {f.confidence:.2f}, ~{f.lost_step_fraction:.1%} of step time)"
+        )
+        lines.append(_wrap(f.evidence))
+        lines.append(_wrap("action: " + f.action))
+        if f.projection:
+            lines.append(_wrap("at scale: " + projection_text(f.projection)))
+    p = result.projection
+    if p:
+        text = (
+            f"projection: simulated ({p['simulated_steps']} steps per size, calibrated on "
+            f"{p['calibration_steps']:,} recorded steps; at the recorded size it gives "
+            f"{p['simulated_lost_fraction']:.1%} waiting against {p['measured_lost_fraction']:.1%} "
+            f"measured), assuming {p['assumption']}"
+        )
+        lines += ["", textwrap.fill(text, width=100, subsequent_indent="   ")]
+    return "\n".join(lines)
+
+
+def _compare(args: argparse.Namespace, cfg: DiagnosisConfig) -> int:
+    from pace_strategy.diagnose.compare import compare_dict, compare_text
+
+    arrays_a, a = _diagnose(args.compare[0], cfg, args.project_ranks)
+    arrays_b, b = _diagnose(args.compare[1], cfg, args.project_ranks)
+    if args.json:
+        payload: dict[str, Any] = compare_dict(str(arrays_a.path), a, str(arrays_b.path), b)
+        print(json.dumps(payload, indent=2))
+    else:
+        print(compare_text(str(arrays_a.path), a, str(arrays_b.path), b))
     return 0

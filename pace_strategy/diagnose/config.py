@@ -66,8 +66,24 @@ class DiagnosisConfig:
     healthy_lost_fraction: float = field(
         default=0.05,
         metadata=doc(
-            """Below this share of step time lost to waiting (mean lead over ranks / step time), and with
-            no other finding, the run is healthy."""
+            """A finding is worth acting on when the share of step time it loses exceeds the noise floor
+            (the waiting the run's own jitter explains over the same steps) by at least this much;
+            smaller ones are notes, and a run with none is healthy."""
+        ),
+    )
+    jitter_floor_factor: float = field(
+        default=1.0,
+        metadata=doc(
+            """The noise floor is this multiple of the waiting that normal jitter of the measured size
+            (robust sd of the ranks' arrivals) gives at the run's number of ranks (sd x E[max of W
+            normals]); 0 compares with ``healthy_lost_fraction`` alone."""
+        ),
+    )
+    busy_threads_per_core: float = field(
+        default=1.0,
+        metadata=doc(
+            """A host whose ranks keep more busy threads (intra-op threads plus DataLoader workers) than
+            this many per usable core is oversubscribed (``host_oversubscription``)."""
         ),
     )
     spread_entropy: float = field(
@@ -123,6 +139,17 @@ class DiagnosisConfig:
     max_heatmap_columns: int = field(
         default=1000, metadata=doc("Above this many steps the plots bin steps (mean per bin).")
     )
+    projection_steps: int = field(
+        default=500,
+        metadata=doc("Simulated steps per rank count when projecting the findings to scale."),
+    )
+    projection_calibration_steps: int = field(
+        default=5000,
+        metadata=doc(
+            """Recorded steps (a seeded sample, all of them when fewer) the projection's simulator is
+            calibrated on."""
+        ),
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -137,6 +164,17 @@ class DiagnosisConfig:
                 raise PacingConfigError(
                     f"DiagnosisConfig.{name}={getattr(self, name)!r} is invalid: expected 0 < value <= 1."
                 )
+        for name in ("projection_steps", "projection_calibration_steps"):
+            if getattr(self, name) < 1:
+                raise PacingConfigError(
+                    f"DiagnosisConfig.{name}={getattr(self, name)!r} is invalid: expected at least 1 step. "
+                    f"Fix: pass --set {name}=<steps>."
+                )
+        if self.busy_threads_per_core <= 0:
+            raise PacingConfigError(
+                f"DiagnosisConfig.busy_threads_per_core={self.busy_threads_per_core!r} is invalid: "
+                "expected a number > 0 (1: one busy thread per core)."
+            )
         if self.min_steps < 1:
             raise PacingConfigError(
                 f"DiagnosisConfig.min_steps={self.min_steps!r} is invalid: expected at least 1 step "

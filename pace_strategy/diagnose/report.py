@@ -14,11 +14,12 @@ import numpy as np
 from pace_strategy.core.glossary import lead_ms, skew_ms, straggler_rank, transfer_ms
 from pace_strategy.diagnose.arrays import RANK_AXIS, RunArrays
 from pace_strategy.diagnose.config import DiagnosisConfig
-from pace_strategy.diagnose.findings import Diagnosis
+from pace_strategy.diagnose.findings import Diagnosis, projection_text
 
 __all__ = ["PLOTS", "render_report"]
 
-PLOTS = ("skew", "lead_heatmap", "stragglers", "step_time", "delays")
+#: the plots of every report; ``projection`` is drawn when the findings were projected to scale
+PLOTS = ("skew", "lead_heatmap", "stragglers", "step_time", "delays", "projection")
 
 
 def _bin_steps(values: np.ndarray, max_columns: int) -> tuple[np.ndarray, np.ndarray]:
@@ -33,7 +34,7 @@ def _bin_steps(values: np.ndarray, max_columns: int) -> tuple[np.ndarray, np.nda
     return edges[:-1], binned
 
 
-def _figures(a: RunArrays, cfg: DiagnosisConfig) -> dict[str, bytes]:
+def _figures(a: RunArrays, cfg: DiagnosisConfig, diagnosis: Diagnosis) -> dict[str, bytes]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -120,13 +121,49 @@ def _figures(a: RunArrays, cfg: DiagnosisConfig) -> dict[str, bytes]:
     ax.set_ylabel("ms")
     ax.set_title("Largest pacing delay applied per step")
     save("delays", fig)
+
+    projected = [f for f in diagnosis.findings if f.projection]
+    if projected:
+        fig, ax = plt.subplots(figsize=(9, 3.6))
+        for f in projected:
+            xs = [a.world_size] + [int(p["ranks"]) for p in f.projection]
+            ys = [100 * f.lost_step_fraction] + [100 * float(p["lost_fraction"]) for p in f.projection]
+            where = f" (ranks {', '.join(map(str, f.ranks))})" if f.ranks and len(f.ranks) <= 4 else ""
+            (line,) = ax.plot(xs[1:], ys[1:], marker="o", lw=1.2, label=f"{f.mode}{where}")
+            ax.plot(xs[:1], ys[:1], marker="s", ms=8, color=line.get_color(), ls="none")
+        ax.set_xscale("log", base=2)
+        ticks = sorted({a.world_size, *(int(p["ranks"]) for f in projected for p in f.projection)})
+        ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("ranks (square: measured at the recorded size; circles: simulated)")
+        ax.set_ylabel("% of step time")
+        ax.set_title("What each finding would cost at scale (simulator calibrated on this run)")
+        ax.legend(fontsize=8)
+        save("projection", fig)
     return out
+
+
+def _at_scale(f: Any) -> str:
+    return projection_text(f.projection) if f.projection else "-"
+
+
+def _assumption(diagnosis: Diagnosis) -> str:
+    p = diagnosis.projection
+    if not p:
+        return ""
+    return (
+        f"At scale: simulated, {p['simulated_steps']} steps per size, calibrated on "
+        f"{p['calibration_steps']:,} recorded steps (at the recorded size it gives "
+        f"{p['simulated_lost_fraction']:.1%} waiting against {p['measured_lost_fraction']:.1%} measured); "
+        f"assuming {p['assumption']}."
+    )
 
 
 def render_report(a: RunArrays, diagnosis: Diagnosis, out_dir: Path, cfg: DiagnosisConfig) -> dict[str, Path]:
     """Write the PNG plots, ``report.html`` (self-contained) and ``report.md`` into ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    figures = _figures(a, cfg)
+    figures = _figures(a, cfg, diagnosis)
     paths: dict[str, Path] = {}
     for name, png in figures.items():
         path = out_dir / f"{name}.png"
@@ -136,9 +173,11 @@ def render_report(a: RunArrays, diagnosis: Diagnosis, out_dir: Path, cfg: Diagno
         f"<tr><td><b>{html.escape(f.mode.value)}</b></td>"
         f"<td>{html.escape(', '.join(map(str, f.ranks)) or '-')}</td>"
         f"<td>{html.escape(', '.join(f.hosts) or '-')}</td><td>{f.confidence:.2f}</td>"
-        f"<td>{f.lost_step_fraction:.1%}</td><td>{html.escape(f.evidence)}</td><td>{html.escape(f.action)}</td></tr>"
+        f"<td>{f.lost_step_fraction:.1%}</td><td>{html.escape(_at_scale(f))}</td>"
+        f"<td>{html.escape(f.evidence)}</td><td>{html.escape(f.action)}</td></tr>"
         for f in diagnosis.findings
     )
+    assumption = _assumption(diagnosis)
     images = "".join(
         f'<h3>{name.replace("_", " ")}</h3><img alt="{name}" src="data:image/png;base64,'
         f'{base64.b64encode(png).decode()}">'
@@ -156,7 +195,8 @@ td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}img{{max-width:
 {f"<ul>{notes}</ul>" if notes else ""}
 <h2>Findings</h2>
 <table><tr><th>mode</th><th>ranks</th><th>hosts</th><th>confidence</th><th>lost step time</th>
-<th>evidence</th><th>action</th></tr>{rows}</table>
+<th>at scale</th><th>evidence</th><th>action</th></tr>{rows}</table>
+{f"<p><i>{html.escape(assumption)}</i></p>" if assumption else ""}
 <h2>Plots</h2>{images}
 <h2>Thresholds used</h2><pre>{html.escape(json.dumps(diagnosis.thresholds, indent=2))}</pre>
 </body></html>
@@ -166,13 +206,16 @@ td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}img{{max-width:
     md = [f"# pace diagnose\n\nRun record `{a.path}`: {a.world_size} ranks, {a.steps:,} usable steps.\n"]
     md.append(f"## Summary\n\n{diagnosis.summary}\n")
     md += [f"- note: {n}" for n in diagnosis.notes]
-    md.append("\n## Findings\n\n| mode | ranks | hosts | confidence | lost step time | evidence | action |")
-    md.append("|---|---|---|---|---|---|---|")
+    md.append("\n## Findings\n")
+    md.append("| mode | ranks | hosts | confidence | lost step time | at scale | evidence | action |")
+    md.append("|---|---|---|---|---|---|---|---|")
     for f in diagnosis.findings:
         md.append(
             f"| {f.mode} | {', '.join(map(str, f.ranks)) or '-'} | {', '.join(f.hosts) or '-'} | "
-            f"{f.confidence:.2f} | {f.lost_step_fraction:.1%} | {f.evidence} | {f.action} |"
+            f"{f.confidence:.2f} | {f.lost_step_fraction:.1%} | {_at_scale(f)} | {f.evidence} | {f.action} |"
         )
+    if assumption:
+        md.append(f"\n_{assumption}_")
     md.append("\n## Plots\n")
     md += [f"![{name}]({name}.png)" for name in figures]
     md.append("\n## Thresholds used\n\n```json\n" + json.dumps(diagnosis.thresholds, indent=2) + "\n```\n")

@@ -1,16 +1,18 @@
 """Fit the simulator to a recorded run and predict that job at other scales.
 
-The fit is empirical (a bootstrap), not a parametric guess: per step, a rank's compute time (input
-wait included) is split into its own persistent offset, a component shared by all ranks in that step,
-and an idiosyncratic residual; transfer time and the rest of the step are kept as measured. A
-prediction redraws those pieces for any number of ranks, and scales the transfer time with the ring
-all-reduce's ``2 (n-1)/n`` factor (bandwidth term) from the recorded rank count.
+The fit is empirical (a bootstrap), not a parametric guess: per step, a rank's time from its previous
+collective's completion to its arrival at the sync point (start gap, input wait included, plus
+compute) is split into its own persistent offset, a component shared by all ranks in that step, and
+an idiosyncratic residual; transfer time and the rest of the step are kept as measured. A prediction
+redraws those pieces for any number of ranks, and scales the transfer time with the ring
+all-reduce's ``2 (n-1)/n`` factor (bandwidth term) from the recorded rank count. ``pace diagnose``
+projects its findings to scale with the same fit and prediction.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +24,7 @@ from pace_strategy.sim.engine import RunResult, WindowDraws, run_steps
 from pace_strategy.sim.model import NetworkModel
 from pace_strategy.sim.network import inter_node_bandwidth_gbps
 
-__all__ = ["Calibration", "fit", "oversubscription_factor", "predict"]
+__all__ = ["Calibration", "fit", "oversubscription_factor", "predict", "ring_factor"]
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,13 @@ class Calibration:
 
 
 def fit(a: RunArrays) -> Calibration:
-    """Calibrate from a run record's usable steps."""
-    c = a.compute + a.data
+    """Calibrate from a run record's usable steps.
+
+    A rank arrives at the sync point its start gap (previous collective's completion to batch ready,
+    the input wait included) plus its compute after the previous collective completed: the
+    lateness the barrier turns into waiting. Records without start gaps fall back to the input wait.
+    """
+    c = a.compute + np.maximum(a.gap, a.data)
     per_rank = np.median(c, axis=0)
     base = float(np.median(per_rank))
     offsets = per_rank - base
@@ -93,20 +100,32 @@ def fit(a: RunArrays) -> Calibration:
     )
 
 
+def ring_factor(recorded_ranks: int, ranks: int) -> float:
+    """How the ring all-reduce's bandwidth term ``2 (n-1)/n`` changes from the recorded rank count."""
+    if recorded_ranks <= 1 or ranks <= 1:
+        return 1.0
+    return (2 * (ranks - 1) / ranks) / (2 * (recorded_ranks - 1) / recorded_ranks)
+
+
 def _draws(
-    cal: Calibration, ranks: int, seed: int, remove_stragglers: bool, transfer_factor: float
+    cal: Calibration,
+    ranks: int,
+    seed: int,
+    remove_stragglers: bool,
+    transfer_factor: float,
+    fixed_ranks: Sequence[int] = (),
 ) -> Callable[[int, int], WindowDraws]:
     rng0 = np.random.default_rng([seed, ranks, 7])
-    if ranks == cal.ranks:
-        offsets = cal.offsets_ms.copy()
-    else:  # ranks drawn from the recorded ones: a slow rank stays as common as it was
-        offsets = rng0.choice(cal.offsets_ms, size=ranks, replace=True)
+    source = cal.offsets_ms.copy()
+    fixed = sorted({int(r) for r in fixed_ranks})
+    if fixed and len(fixed) < cal.ranks:  # what-if: these recorded ranks behave like the others
+        source[fixed] = float(np.median(np.delete(source, fixed)))
+    # at another size, ranks are drawn from the recorded ones: a slow rank stays as common as it was
+    offsets = source if ranks == cal.ranks else source[rng0.choice(cal.ranks, size=ranks, replace=True)]
     if remove_stragglers:
         offsets = np.minimum(offsets, cal.slow_threshold_ms)
         offsets[offsets >= cal.slow_threshold_ms] = 0.0
-    ring = (
-        (2 * (ranks - 1) / ranks) / (2 * (cal.ranks - 1) / cal.ranks) if cal.ranks > 1 and ranks > 1 else 1.0
-    )
+    ring = ring_factor(cal.ranks, ranks)
 
     def draw(window: int, k: int) -> WindowDraws:
         rng = np.random.default_rng([seed, ranks, window])
@@ -133,14 +152,17 @@ def predict(
     gpus_per_node: int = 1,
     window_steps: int = 32,
     transfer_factor: float = 1.0,
+    fixed_ranks: Sequence[int] = (),
 ) -> RunResult:
     """The calibrated job at ``ranks`` ranks (with ``pacing`` or without).
 
-    What-ifs: ``remove_stragglers`` sets the persistent offsets to 0; ``transfer_factor`` multiplies
-    the transfer time (see :func:`oversubscription_factor`).
+    What-ifs: ``remove_stragglers`` sets the persistent offsets to 0; ``fixed_ranks`` gives those
+    recorded ranks the median offset of the others (wherever they are drawn); ``transfer_factor``
+    multiplies the transfer time (see :func:`oversubscription_factor`). The same ``seed`` gives the
+    same draws with and without a what-if.
     """
     return run_steps(
-        _draws(cal, ranks, seed, remove_stragglers, transfer_factor),
+        _draws(cal, ranks, seed, remove_stragglers, transfer_factor, fixed_ranks),
         ranks=ranks,
         steps=steps,
         warmup_steps=0,

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from pace_strategy.core.config import PacingConfig
-from pace_strategy.core.policy import PacingPolicy
-from pace_strategy.core.records import NUM_FIELDS, Field
-from pace_strategy.core.skew import window_stats
+if TYPE_CHECKING:
+    from pace_strategy.core.config import PacingConfig
 
 __all__ = ["RunResult", "WindowDraws", "run_steps"]
 
@@ -44,6 +42,9 @@ class RunResult:
     pacing_active_share: float
     mean_delay_ms: float  #: mean over paced steps of the largest delay
     last_reason: str
+    #: share of step time ranks spent waiting at the sync point (mean lead over ranks, summed over
+    #: steps, over the summed step time): the diagnosis's lost step fraction
+    lost_fraction: float = 0.0
 
     @property
     def throughput(self) -> float:
@@ -88,11 +89,20 @@ def run_steps(
     runs must use the same ``window_steps`` so that they see the same draws.
     """
     k_window = window_steps
-    policy = PacingPolicy(pacing, ranks) if pacing is not None else None
+    policy = None
+    if pacing is not None:  # torch only for the controller: an unpaced run is NumPy alone
+        import torch
+
+        from pace_strategy.core.policy import PacingPolicy
+        from pace_strategy.core.records import NUM_FIELDS, Field
+        from pace_strategy.core.skew import window_stats
+
+        policy = PacingPolicy(pacing, ranks)
     delays = np.zeros(ranks)
     step_times: list[np.ndarray] = []
     active: list[np.ndarray] = []
     delay_max: list[np.ndarray] = []
+    lead_sum = 0.0  # summed over kept steps of the mean lead over ranks
     reason = "no pacing"
     done = 0
     window = 0
@@ -112,6 +122,7 @@ def run_steps(
         index = np.arange(done, done + k)
         keep = index >= warmup_steps
         step_times.append(step[keep])
+        lead_sum += float((arrival.max(axis=1, keepdims=True) - arrival).mean(axis=1)[keep].sum())
         active.append(np.full(int(keep.sum()), bool((delays > 0).any())))
         delay_max.append(np.full(int(keep.sum()), float(delays.max())))
         if policy is not None:
@@ -141,4 +152,5 @@ def run_steps(
         pacing_active_share=float(act.mean()),
         mean_delay_ms=float(dmax[act].mean()) if act.any() else 0.0,
         last_reason=reason,
+        lost_fraction=lead_sum / float(times.sum()) if times.sum() > 0 else 0.0,
     )

@@ -1,4 +1,4 @@
-"""Where each rank runs: host, node rank, local rank, device and CPU/NUMA affinity where known."""
+"""Where each rank runs: host, node rank, local rank, device, CPU/NUMA affinity and CPU threads."""
 
 from __future__ import annotations
 
@@ -11,12 +11,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # only a rank that is training places itself; readers of the record need no torch
     import torch
 
-__all__ = ["RankPlacement", "local_placement"]
+__all__ = ["RankPlacement", "cpu_ranges", "local_placement", "parse_cpu_ranges"]
 
 
 @dataclass(frozen=True)
 class RankPlacement:
-    """One rank's place in the cluster (``-1`` / ``None`` where unknown)."""
+    """One rank's place in the cluster (``-1`` / ``None`` where unknown).
+
+    The CPU fields say how many threads a rank may keep busy on how many cores: more busy threads on
+    a host than it has cores slows every step (``pace diagnose`` names it ``host_oversubscription``).
+    Records written before they existed lack them; readers treat a missing field as unknown.
+    """
 
     rank: int
     host: str
@@ -25,6 +30,11 @@ class RankPlacement:
     device: str
     numa_node: int | None
     cpu_affinity: str | None
+    usable_cores: int | None = None  #: cores this process may run on (its affinity mask)
+    host_cores: int | None = None  #: logical cores of the host (``os.cpu_count()``)
+    intra_op_threads: int | None = None  #: ``torch.get_num_threads()`` when the rank placed itself
+    omp_num_threads: int | None = None  #: ``OMP_NUM_THREADS`` as set (``None``: unset or not a number)
+    dataloader_workers: int | None = None  #: training DataLoader workers, where the adapter knows them
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -53,7 +63,18 @@ def _cuda_numa_node(device: torch.device) -> int | None:
         return None
 
 
-def _cpu_ranges(cpus: set[int]) -> str:
+def parse_cpu_ranges(text: str) -> set[int]:
+    """``"0-3,8,10-11"`` -> ``{0, 1, 2, 3, 8, 10, 11}``: the inverse of :func:`cpu_ranges`."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if lo:
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def cpu_ranges(cpus: set[int]) -> str:
+    """``{0, 1, 2, 3, 8}`` -> ``"0-3,8"`` (the ``cpu_affinity`` format of the record)."""
     ordered, out, start = sorted(cpus), [], None
     for i, cpu in enumerate(ordered):
         if start is None:
@@ -65,13 +86,26 @@ def _cpu_ranges(cpus: set[int]) -> str:
 
 
 def local_placement(
-    rank: int, device: torch.device, node_rank: int | None = None, local_rank: int | None = None
+    rank: int,
+    device: torch.device,
+    node_rank: int | None = None,
+    local_rank: int | None = None,
+    dataloader_workers: int | None = None,
 ) -> RankPlacement:
-    """This rank's placement; node and local rank default to the launcher's environment variables."""
+    """This rank's placement; node and local rank default to the launcher's environment variables.
+
+    Call it after the process has set its thread count (``torch.set_num_threads``): the intra-op
+    threads are read now.
+    """
+    import torch
+
     try:
-        affinity: str | None = _cpu_ranges(os.sched_getaffinity(0))
+        cpus = os.sched_getaffinity(0)
+        affinity: str | None = cpu_ranges(cpus)
+        usable: int | None = len(cpus)
     except (AttributeError, OSError):
-        affinity = None
+        affinity, usable = None, None
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
     return RankPlacement(
         rank=rank,
         host=os.environ.get("PACE_HOSTNAME") or socket.gethostname(),
@@ -80,4 +114,9 @@ def local_placement(
         device=str(device),
         numa_node=_cuda_numa_node(device) if device.type == "cuda" else None,
         cpu_affinity=affinity,
+        usable_cores=usable,
+        host_cores=os.cpu_count(),
+        intra_op_threads=torch.get_num_threads(),
+        omp_num_threads=int(omp) if omp.isdigit() else None,
+        dataloader_workers=dataloader_workers,
     )

@@ -35,18 +35,51 @@ def test_persistent_straggler(tmp_path):
     top = result["findings"][0]
     assert top["mode"] == "persistent_straggler" and top["ranks"] == [2], result["findings"]
     assert "rank 2" in top["evidence"] and top["lost_step_fraction"] > 0.1
+    # projected to scale: one slow rank in four stays as common at every size
+    assert [p["ranks"] for p in top["projection"]] == [8, 64, 512, 1024]
+    assert all(p["lost_fraction"] > 0.05 for p in top["projection"]), top["projection"]
     # the report renders and holds the plots
     html = Path(result["report"]["html"]).read_text()
-    assert html.count("data:image/png;base64,") == 5
-    for plot in ("skew", "lead_heatmap", "stragglers", "step_time", "delays"):
+    assert html.count("data:image/png;base64,") == 6 and "at scale" in html
+    for plot in ("skew", "lead_heatmap", "stragglers", "step_time", "delays", "projection"):
         assert Path(result["report"][plot]).stat().st_size > 1000
 
 
 def test_transient_stragglers_are_sync_amplification(tmp_path):
-    spec = ",".join(f"{r}:30:0.15" for r in range(4))
-    run = record(tmp_path, "transient", "--devices", "4", "--steps", "80", "--straggler", spec)
+    # two ranks: with more ranks than this machine's two cores the host is oversubscribed, which
+    # takes precedence (see test_more_ranks_than_cores_is_host_oversubscription)
+    run = record(
+        tmp_path, "transient", "--devices", "2", "--steps", "80", "--straggler", "0:30:0.15,1:30:0.15"
+    )
     result = diagnose_json(run)
     assert modes(result)[0] == "sync_amplification", result["findings"]
+    projected = [p["lost_fraction"] for p in result["findings"][0]["projection"]]
+    assert projected[-1] > result["findings"][0]["lost_step_fraction"], projected  # worse with more ranks
+
+
+def test_more_ranks_than_cores_is_host_oversubscription(tmp_path):
+    """Three clean single-threaded ranks on two cores (their affinity says so in the header)."""
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    demo = ["--root", str(tmp_path / "runs"), "--quiet", "--no-diagnosis", "--name", "crowded"]
+    demo += ["--compute-ms", "10", *PACING, "--devices", "3", "--steps", "40", "--straggler", ""]
+    out = subprocess.run(
+        [sys.executable, "-m", "pace_strategy", "demo", *demo],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        preexec_fn=lambda: os.sched_setaffinity(0, cores),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = diagnose_json(only_version_dir(tmp_path, "crowded"))
+    assert modes(result)[0] == "host_oversubscription", result["findings"]
+    assert "sync_amplification" not in modes(result) and "fabric_contention" not in modes(result)
+    top = result["findings"][0]
+    assert top["ranks"] == [0, 1, 2] and top["details"]["busy_threads"] == 3
+    assert f"3 busy threads on {len(cores)} usable cores" in top["evidence"], top["evidence"]
+    assert "1 intra-op thread each (OMP_NUM_THREADS=1)" in top["evidence"]
 
 
 def test_slow_data_loader(tmp_path):

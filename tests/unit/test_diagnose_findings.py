@@ -16,6 +16,7 @@ def arrays(compute, data=None, gap=None, transfer=5.0, hosts=None, local=None, n
     compute = np.asarray(compute, dtype=np.float64)
     steps, world = compute.shape
     arrival = compute.max(axis=1, keepdims=True)
+    transfer = np.broadcast_to(np.asarray(transfer, dtype=np.float64).reshape(-1, 1), (steps, 1))
     wait = arrival - compute + transfer
     zeros = np.zeros_like(compute)
     hosts = hosts or ["h0"] * world
@@ -28,7 +29,7 @@ def arrays(compute, data=None, gap=None, transfer=5.0, hosts=None, local=None, n
         }
         for r in range(world)
     ]
-    step_ms = (arrival[:, 0] + transfer + 2.0).astype(np.float64)
+    step_ms = (arrival[:, 0] + transfer[:, 0] + 2.0).astype(np.float64)
     return RunArrays(
         path=Path("synthetic"),
         header={"world_size": world, "topology": topo},
@@ -141,3 +142,200 @@ def test_new_thresholds_are_validated():
         DiagnosisConfig(compute_late_fraction=0.0)
     with pytest.raises(PacingConfigError, match="min_steps"):
         DiagnosisConfig(min_steps=0)
+
+
+# --- noise floor, crowded hosts, projection to scale, --compare (issue 18) ---
+
+
+def crowded_topology(world, threads=None, affinity="0-1", host_cores=2, host="vm"):
+    """One host, every rank on the same cores; ``threads=None`` is an old record without thread fields."""
+    topo = []
+    for r in range(world):
+        t = {
+            "rank": r,
+            "host": host,
+            "node_rank": 0,
+            "local_rank": r,
+            "device": "cpu",
+            "cpu_affinity": affinity,
+        }
+        if threads is not None:
+            t.update(intra_op_threads=threads, omp_num_threads=None, host_cores=host_cores, usable_cores=2)
+        topo.append(t)
+    return topo
+
+
+def with_topology(a, topo):
+    a.header["topology"] = topo
+    return a
+
+
+def test_ordinary_jitter_above_five_percent_is_healthy_with_its_cost_as_a_note():
+    # two ranks, 5 ms compute, normal jitter sd 1.2 ms: waiting is ~5% of the step, all of it what this
+    # jitter gives at 2 ranks (sd x E[max of 2 normals] = 0.56 sd)
+    c = 5.0 + np.random.default_rng(3).normal(0, 1.2, (400, 2))
+    d = diagnose(arrays(c), project_ranks=(8, 512))
+    assert d.stats["lost_step_fraction"] > 0.05
+    assert abs(d.stats["noise_floor_fraction"] - d.stats["lost_step_fraction"]) < 0.015
+    (f,) = d.findings
+    assert f.mode == "healthy" and "explains" in f.evidence
+    note = next(n for n in d.notes if n.startswith("waiting costs"))
+    assert "at 2 ranks" in note and "at 512 ranks" in note
+    # the same jitter costs more at more ranks: the slowest of more ranks is later
+    lost = [p["lost_fraction"] for p in f.projection]
+    assert [p["ranks"] for p in f.projection] == [8, 512] and lost[1] > lost[0] > f.lost_step_fraction
+
+
+def test_without_the_jitter_floor_the_same_run_is_a_false_alarm():
+    c = 5.0 + np.random.default_rng(3).normal(0, 1.2, (400, 2))
+    d = diagnose(arrays(c), DiagnosisConfig(jitter_floor_factor=0.0), project_ranks=None)
+    assert d.findings[0].mode != "healthy"
+
+
+def test_rotating_transient_stragglers_on_two_ranks_are_sync_amplification():
+    g = np.random.default_rng(4)
+    c = 12.0 + g.normal(0, 0.3, (300, 2)) + 30.0 * (g.random((300, 2)) < 0.1)
+    (f,) = diagnose(arrays(c), project_ranks=None).findings
+    assert f.mode == "sync_amplification" and f.ranks == [0, 1]
+
+
+def test_more_busy_threads_than_cores_is_host_oversubscription_not_amplification():
+    g = np.random.default_rng(5)
+    c = 12.0 + g.normal(0, 0.3, (300, 2)) + 30.0 * (g.random((300, 2)) < 0.1)  # would be amplification
+    a = with_topology(arrays(c), crowded_topology(2, threads=2))
+    d = diagnose(a, project_ranks=None)
+    assert [f.mode for f in d.findings] == ["host_oversubscription"], d.findings
+    (f,) = d.findings
+    assert f.hosts == ["vm"] and f.ranks == [0, 1] and d.stats["oversubscribed_hosts"] == ["vm"]
+    assert (
+        "2 ranks x 2 intra-op threads each" in f.evidence and "4 busy threads on 2 usable cores" in f.evidence
+    )
+    assert "torch.set_num_threads(1)" in f.action and "affinity" in f.action
+    assert f.details["busy_threads"] == 4 and f.details["suggested_threads_per_rank"] == 1
+
+
+def test_an_old_record_counts_one_thread_per_rank():
+    c = 30.0 + rng.normal(0, 0.3, (100, 3))
+    (f,) = diagnose(with_topology(arrays(c), crowded_topology(3)), project_ranks=None).findings
+    assert f.mode == "host_oversubscription" and "not recorded" in f.evidence
+    assert "at most 2" in f.action  # 3 ranks on 2 cores: fewer ranks per host, not fewer threads
+    # two single-threaded ranks on two cores fit
+    two = diagnose(with_topology(arrays(c[:, :2]), crowded_topology(2)), project_ranks=None)
+    assert [f.mode for f in two.findings] == ["healthy"]
+
+
+def test_dataloader_workers_count_as_busy_threads():
+    topo = crowded_topology(2, threads=1, affinity="0-3", host_cores=4)
+    for t in topo:
+        t["dataloader_workers"] = 2
+    (f,) = diagnose(
+        with_topology(arrays(12.0 + rng.normal(0, 0.3, (100, 2))), topo), project_ranks=None
+    ).findings
+    assert f.mode == "host_oversubscription" and "+ 4 DataLoader workers" in f.evidence
+
+
+def test_a_slow_rank_on_a_crowded_host_is_still_named_first():
+    c = 12.0 + rng.normal(0, 0.3, (200, 3))
+    c[:, 2] += 30.0
+    d = diagnose(with_topology(arrays(c), crowded_topology(3, threads=1)), project_ranks=None)
+    assert [f.mode for f in d.findings] == ["persistent_straggler", "host_oversubscription"]
+    assert d.findings[0].ranks == [2]
+
+
+def test_an_unstable_collective_on_one_cpu_host_is_a_note_not_fabric_contention():
+    g = np.random.default_rng(6)
+    c = 30.0 + g.normal(0, 0.2, (300, 2))
+    transfer = 3.0 + g.exponential(3.0, 300)  # CV ~0.5, heavy tail, not inflated
+    one_host = arrays(c, transfer=transfer)
+    d = diagnose(
+        with_topology(one_host, crowded_topology(2, threads=1, affinity="0-3", host_cores=4)),
+        project_ranks=None,
+    )
+    assert "fabric_contention" not in [f.mode for f in d.findings]
+    assert any("one CPU host" in n for n in d.notes)
+    two_hosts = arrays(c, transfer=transfer, hosts=["a", "b"], nodes=[0, 1], local=[0, 0])
+    assert "fabric_contention" in [f.mode for f in diagnose(two_hosts, project_ranks=None).findings]
+
+
+def test_every_finding_is_projected_to_scale():
+    c = 40.0 + rng.normal(0, 0.3, (300, 4))
+    c[:, 3] += 15.0
+    d = diagnose(arrays(c))
+    (f,) = d.findings
+    assert [p["ranks"] for p in f.projection] == [8, 64, 512, 1024]
+    assert f.projection_basis == "ranks" and all(p["lost_fraction"] > 0.05 for p in f.projection)
+    assert (
+        d.projection["ranks"] == [8, 64, 512, 1024]
+        and "same per-rank behaviour" in d.projection["assumption"]
+    )
+    # the simulator reproduces the run at its own size
+    assert abs(d.projection["simulated_lost_fraction"] - d.projection["measured_lost_fraction"]) < 0.02
+    assert json.loads(json.dumps(d.to_dict()))["findings"][0]["projection"][0]["ranks"] == 8
+    assert diagnose(arrays(c), project_ranks=None).findings[0].projection == []
+
+
+def test_expected_max_normal_matches_known_values():
+    from pace_strategy.diagnose.noise import expected_max_normal
+
+    assert expected_max_normal(1) == 0.0
+    assert abs(expected_max_normal(2) - 1 / np.sqrt(np.pi)) < 1e-6
+    assert abs(expected_max_normal(3) - 1.5 / np.sqrt(np.pi)) < 1e-6
+    assert abs(expected_max_normal(64) - 2.3437) < 1e-3
+
+
+def test_cpu_ranges_round_trip():
+    from pace_strategy.telemetry.topology import cpu_ranges, parse_cpu_ranges
+
+    assert parse_cpu_ranges("0-3,8,10-11") == {0, 1, 2, 3, 8, 10, 11}
+    assert cpu_ranges({0, 1, 2, 3, 8, 10, 11}) == "0-3,8,10-11"
+
+
+def test_a_rank_records_its_threads_and_cores(monkeypatch):
+    import torch
+
+    from pace_strategy.telemetry.topology import local_placement
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    p = local_placement(0, torch.device("cpu"), dataloader_workers=2).to_dict()
+    assert p["intra_op_threads"] == torch.get_num_threads() and p["omp_num_threads"] == 3
+    assert p["dataloader_workers"] == 2 and p["host_cores"] >= 1 and p["usable_cores"] >= 1
+
+
+def fixture_run(tmp_path, name):
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "run4_transient.jsonl"
+    (tmp_path / name).mkdir()
+    shutil.copy(fixture, tmp_path / name / "pace_run.jsonl")
+    return str(tmp_path / name)
+
+
+def test_compare_prints_two_runs_side_by_side(tmp_path, capsys):
+    a, b = fixture_run(tmp_path, "before"), fixture_run(tmp_path, "after")
+    assert main(["--compare", a, b, "--project-ranks", "8,64"]) == 0
+    out = capsys.readouterr().out
+    assert "A: " in out and "B: " in out and "B vs A" in out and "mean step" in out
+    assert "64 ranks" in out and "lost to waiting" in out
+    assert main(["--compare", a, b, "--json", "--project-ranks", ""]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["change"]["mean_step_ms"]["ratio"] == 1.0 and result["a"]["findings"]
+    assert result["a"]["projection"] == {}
+
+
+def test_project_ranks_are_validated(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([fixture_run(tmp_path, "run"), "--project-ranks", "8,zero"])
+    assert "--project-ranks" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([])  # neither RUN_DIR nor --compare
+
+
+def test_the_text_report_shows_the_projection(tmp_path, capsys):
+    assert main([fixture_run(tmp_path, "run"), "--no-report", "--project-ranks", "16,128"]) == 0
+    out = capsys.readouterr().out
+    assert "at scale: " in out and "at 128 ranks" in out and "projection: simulated" in out
+
+
+def test_new_config_fields_are_validated():
+    with pytest.raises(PacingConfigError, match="projection_steps"):
+        DiagnosisConfig(projection_steps=0)
+    with pytest.raises(PacingConfigError, match="busy_threads_per_core"):
+        DiagnosisConfig(busy_threads_per_core=0.0)
