@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from subprocess import PIPE
 
 import pytest
 
@@ -62,86 +63,6 @@ def test_diagnose_and_simulate_load_no_framework(tmp_path, command):
         assert not loaded["torch"], loaded
 
 
-@pytest.mark.parametrize("first", ["pace_strategy", "framework"])
-@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
-def test_strategies_are_registered_whichever_is_imported_first(first, package):
-    if importlib.util.find_spec(package.split(".")[0]) is None:
-        pytest.skip(f"{package} is not installed")
-    order = ["pace_strategy", package] if first == "pace_strategy" else [package, "pace_strategy"]
-    names = _run(
-        textwrap.dedent(
-            f"""
-        import importlib, json
-        for name in {order!r}:
-            importlib.import_module(name)
-        from {package}.strategies import StrategyRegistry
-        print(json.dumps({{n: StrategyRegistry[n]["strategy"].__module__ for n in
-                          ("paced_ddp", "paced_ddp_spawn", "paced_fsdp")}}))
-            """
-        )
-    )
-    assert set(names) == {"paced_ddp", "paced_ddp_spawn", "paced_fsdp"}
-    assert all(module.startswith("pace_strategy.integrations.") for module in names.values()), names
-
-
-@pytest.mark.parametrize("first", ["pace_strategy", "framework"])
-def test_fabric_strategies_are_registered_whichever_is_imported_first(first):
-    order = ["pace_strategy", "lightning.fabric"]
-    order = order if first == "pace_strategy" else order[::-1]
-    names = _run(
-        textwrap.dedent(
-            f"""
-        import importlib, json
-        for name in {order!r}:
-            importlib.import_module(name)
-        from lightning.fabric.strategies import STRATEGY_REGISTRY
-        names = ("paced_ddp", "paced_ddp_spawn")
-        print(json.dumps({{n: STRATEGY_REGISTRY[n]["strategy"].__module__ for n in names}}))
-            """
-        )
-    )
-    assert names == dict.fromkeys(("paced_ddp", "paced_ddp_spawn"), "pace_strategy.integrations.fabric")
-
-
-def test_public_names_load_on_first_use():
-    loaded = _run(
-        textwrap.dedent(
-            """
-        import json, sys
-        import pace_strategy
-        assert sorted(dir(pace_strategy)) == sorted(pace_strategy.__all__)
-        config = pace_strategy.PacingConfig(max_delay_ms=5)
-        assert "lightning" not in sys.modules
-        pace_strategy.PacedDDPStrategy  # the adapter, and with it Lightning
-        print(json.dumps({"lightning": "lightning" in sys.modules, "delay": config.max_delay_ms}))
-        """
-        )
-    )
-    assert loaded == {"lightning": True, "delay": 5}
-
-
-def test_every_public_name_resolves_to_where_it_is_declared():
-    resolved = _run(
-        textwrap.dedent(
-            """
-            import importlib, json
-            import pace_strategy, pace_strategy.core as core
-            out = {}
-            for package in (pace_strategy, core):
-                names = set(package.__all__) - {"__version__"}
-                assert names == set(package._WHERE), names ^ set(package._WHERE)
-                for name in sorted(names):
-                    declared = getattr(importlib.import_module(package._WHERE[name]), name)
-                    assert getattr(package, name) is declared, name
-                    out[f"{package.__name__}.{name}"] = package._WHERE[name]
-            print(json.dumps(out))
-            """
-        )
-    )
-    assert len(resolved) > 40
-    assert all(module.startswith("pace_strategy.") for module in resolved.values()), resolved
-
-
 def test_the_library_never_imports_its_apps_test_support_or_tooling():
     import ast
 
@@ -159,21 +80,83 @@ def test_the_library_never_imports_its_apps_test_support_or_tooling():
     assert not offenders, offenders
 
 
-def test_a_probe_for_the_framework_does_not_use_up_the_registration():
-    # Lightning asks importlib.util.find_spec which packages exist; only the real import registers.
+#: (what is imported, in order; ``probe:X`` only asks importlib.util.find_spec, as Lightning does to see
+#: which packages exist) -> the registry that must then hold the paced names, and their adapter module
+REGISTRATION_CASES = {
+    "pace_strategy first": (
+        ["pace_strategy", "lightning.pytorch"],
+        ("lightning.pytorch.strategies", "StrategyRegistry", "pace_strategy.integrations.lightning"),
+    ),
+    "a probe before the import": (
+        ["pace_strategy", "probe:pytorch_lightning", "pytorch_lightning"],
+        ("pytorch_lightning.strategies", "StrategyRegistry", "pace_strategy.integrations.pytorch_lightning"),
+    ),
+    "Fabric first": (  # also loads lightning.pytorch: the already-imported path of both adapters
+        ["lightning.fabric", "pace_strategy"],
+        ("lightning.fabric.strategies", "STRATEGY_REGISTRY", "pace_strategy.integrations.fabric"),
+    ),
+    "pace_strategy before Fabric": (
+        ["pace_strategy", "lightning.fabric"],
+        ("lightning.fabric.strategies", "STRATEGY_REGISTRY", "pace_strategy.integrations.fabric"),
+    ),
+}
+
+REGISTERED = """
+import importlib, importlib.util, json, sys
+for name in {order!r}:
+    if name.startswith("probe:"):
+        assert importlib.util.find_spec(name[6:]) is not None and name[6:] not in sys.modules
+    else:
+        importlib.import_module(name)
+registry = getattr(importlib.import_module({registry_module!r}), {registry!r})
+names = [n for n in ("paced_ddp", "paced_ddp_spawn", "paced_fsdp") if n in registry]
+print(json.dumps({{n: registry[n]["strategy"].__module__ for n in names}}))
+"""
+
+
+def test_strategies_are_registered_whichever_is_imported_first_and_a_probe_does_not_use_it_up():
     if importlib.util.find_spec("pytorch_lightning") is None:
         pytest.skip("pytorch_lightning is not installed")
-    registered = _run(
+    runs = {}
+    for case, (order, (registry_module, registry, _)) in REGISTRATION_CASES.items():
+        code = REGISTERED.format(order=order, registry_module=registry_module, registry=registry)
+        # Fresh interpreters, all at once: each import order must start from nothing imported.
+        runs[case] = subprocess.Popen([sys.executable, "-c", code], stdout=PIPE, stderr=PIPE, text=True)
+    for case, run in runs.items():
+        stdout, stderr = run.communicate(timeout=120)
+        assert run.returncode == 0, (case, stderr)
+        names = json.loads(stdout.strip().splitlines()[-1])
+        adapter = REGISTRATION_CASES[case][1][2]
+        expected = (
+            ("paced_ddp", "paced_ddp_spawn")
+            if "fabric" in adapter
+            else ("paced_ddp", "paced_ddp_spawn", "paced_fsdp")
+        )
+        assert names == dict.fromkeys(expected, adapter), (case, names)
+
+
+def test_public_names_load_on_first_use_and_resolve_to_their_declaring_module():
+    resolved = _run(
         textwrap.dedent(
             """
-            import importlib.util, json, sys
-            import pace_strategy
-            importlib.util.find_spec("pytorch_lightning")
-            assert "pytorch_lightning" not in sys.modules
-            import pytorch_lightning
-            from pytorch_lightning.strategies import StrategyRegistry
-            print(json.dumps({"paced_ddp": "paced_ddp" in StrategyRegistry}))
+            import importlib, json, sys
+            import pace_strategy, pace_strategy.core as core
+            assert sorted(dir(pace_strategy)) == sorted(pace_strategy.__all__)
+            config = pace_strategy.PacingConfig(max_delay_ms=5)
+            assert config.max_delay_ms == 5 and "lightning" not in sys.modules
+            out = {}
+            for package in (pace_strategy, core):
+                names = set(package.__all__) - {"__version__"}
+                assert names == set(package._WHERE), names ^ set(package._WHERE)
+                for name in sorted(names):
+                    declared = getattr(importlib.import_module(package._WHERE[name]), name)
+                    assert getattr(package, name) is declared, name
+                    out[f"{package.__name__}.{name}"] = package._WHERE[name]
+            out["lightning loaded by PacedDDPStrategy"] = "lightning" in sys.modules
+            print(json.dumps(out))
             """
         )
     )
-    assert registered == {"paced_ddp": True}
+    assert resolved.pop("lightning loaded by PacedDDPStrategy") is True
+    assert len(resolved) > 40
+    assert all(module.startswith("pace_strategy.") for module in resolved.values()), resolved
