@@ -18,7 +18,7 @@ from pace_strategy.telemetry.run_record import RunRecordError
 if TYPE_CHECKING:
     from pace_strategy.diagnose.arrays import RunArrays
     from pace_strategy.diagnose.config import DiagnosisConfig
-    from pace_strategy.diagnose.findings import Diagnosis
+    from pace_strategy.diagnose.result import Diagnosis
 
 __all__ = ["build_parser", "main"]
 
@@ -127,7 +127,7 @@ def _wrap(text: str) -> str:
 
 def _text(result: Diagnosis) -> str:
     """The findings as the terminal shows them (notes first, the projection's assumption last)."""
-    from pace_strategy.diagnose.findings import projection_text
+    from pace_strategy.diagnose.result import projection_text
 
     lines = [f"  note: {note}" for note in result.notes]
     lines.append("")

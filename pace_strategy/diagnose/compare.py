@@ -6,7 +6,7 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
-from pace_strategy.diagnose.findings import Diagnosis
+from pace_strategy.diagnose.result import Diagnosis
 
 __all__ = ["STAT_ROWS", "compare_dict", "compare_text"]
 

@@ -1,0 +1,265 @@
+"""The checks that blame ranks, places and hosts: data stall, locality, persistent straggler or
+late start, host oversubscription."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+__all__ = ["data_stall", "host_oversubscription", "locality", "persistent_or_late_start"]
+
+from pace_strategy.diagnose.result import Finding, Mode, pct
+from pace_strategy.diagnose.run_stats import (
+    EPSILON,
+    LATE_START_CONFIDENCE_FACTOR,
+    MIN_PLACES,
+    OVERSUBSCRIPTION_BASE_CONFIDENCE,
+    OVERSUBSCRIPTION_SIGNAL_CONFIDENCE,
+    RunStats,
+)
+
+
+def data_stall(run: RunStats, explained: set[int]) -> list[Finding]:
+    out = []
+    cfg = run.cfg
+    noise = run.noise_ms()
+    for r in range(run.W):
+        mask = run.straggler == r
+        if run.share[r] < cfg.data_straggler_share or mask.sum() < cfg.data_straggler_steps:
+            continue
+        late = run.late_ms([r], mask)
+        excess = (run.a.data[:, r] - run.others_median(run.a.data, [r]))[mask]
+        explained_share = float(np.median(np.clip(excess, 0, None) / np.maximum(late, EPSILON)))
+        if np.median(excess) >= noise and explained_share >= cfg.data_share:
+            explained.add(r)
+            out.append(
+                Finding(
+                    mode=Mode.DATA_STALL,
+                    ranks=[r],
+                    hosts=run.hosts_of([r]),
+                    confidence=min(1.0, explained_share) * float(run.share[r]) ** 0.5,
+                    lost_step_fraction=run.lost_when(mask),
+                    noise_floor_fraction=run.jitter_when(mask),
+                    projection_basis="ranks",
+                    evidence=(
+                        f"{run.a.describe_rank(r)} arrived last in {pct(float(run.share[r]))} of "
+                        f"{run.S:,} steps, {np.median(late):.1f} ms late at the median; in those steps it "
+                        f"waited {np.median(run.a.data[mask, r]):.1f} ms for its input against "
+                        f"{np.median(run.others_median(run.a.data, [r])[mask]):.1f} ms for the other ranks"
+                    ),
+                    action=(
+                        "the input pipeline of this rank is the bottleneck: more DataLoader workers, "
+                        "pin_memory/prefetch, faster or local storage; pacing cannot help"
+                    ),
+                )
+            )
+    return out
+
+
+def locality(run: RunStats, explained: set[int]) -> list[Finding]:
+    out = []
+    cfg = run.cfg
+    node_ids = sorted(set(map(str, run.nodes)))
+    # the same local rank index slow on every node; with one rank per node every rank has the same
+    # index, which then says nothing about place (a moving straggler is not locality)
+    if len(node_ids) >= MIN_PLACES and min(run.local) >= 0 and len(set(run.local)) >= MIN_PLACES:
+        local_of = np.asarray(run.local)[run.straggler]
+        counts = Counter(local_of.tolist())
+        index, hits = counts.most_common(1)[0]
+        share = hits / run.S
+        members = [r for r in range(run.W) if run.local[r] == index]
+        member_shares = [float(run.share[r]) for r in members]
+        spread = sum(s >= cfg.locality_spread_fraction * share / len(members) for s in member_shares)
+        if share >= cfg.locality_share and len(members) >= MIN_PLACES and spread >= MIN_PLACES:
+            mask = np.isin(run.straggler, members)
+            explained.update(members)
+            excess = float(np.median(run.late_ms(members, mask)))
+            out.append(
+                Finding(
+                    mode=Mode.LOCALITY,
+                    ranks=members,
+                    hosts=run.hosts_of(members),
+                    confidence=share,
+                    lost_step_fraction=run.lost_when(mask),
+                    noise_floor_fraction=run.jitter_when(mask),
+                    projection_basis="ranks",
+                    evidence=(
+                        f"local rank {index} was the straggler in {pct(share)} of {run.S:,} steps, on "
+                        f"{spread} of {len(node_ids)} nodes (ranks {', '.join(map(str, members))}: last in "
+                        f"{', '.join(pct(s) for s in member_shares)} of steps), {excess:.1f} ms late at the "
+                        "median: slowness follows the local index, not one rank"
+                    ),
+                    action=(
+                        f"compare what local rank {index} shares on every node: its GPU's PCIe/NUMA path, "
+                        "NIC "
+                        "affinity, CPU binding (check the topology in the run record); fix the placement"
+                    ),
+                )
+            )
+            return out
+    # every rank of one host
+    host_of = np.asarray(run.hosts)[run.straggler]
+    counts = Counter(host_of.tolist())
+    host, hits = counts.most_common(1)[0]
+    share = hits / run.S
+    members = [r for r in range(run.W) if run.hosts[r] == host]
+    crowded = host in {h.host for h in run.crowded}  # then host_oversubscription names it, with the cause
+    if (
+        len(set(run.hosts)) >= MIN_PLACES
+        and len(members) >= MIN_PLACES
+        and share >= cfg.locality_share
+        and not crowded
+    ):
+        member_shares = [float(run.share[r]) for r in members]
+        if max(member_shares) < cfg.persistent_share:  # the straggler moves between the host's ranks
+            mask = np.isin(run.straggler, members)
+            explained.update(members)
+            out.append(
+                Finding(
+                    mode=Mode.LOCALITY,
+                    ranks=members,
+                    hosts=[host],
+                    confidence=share,
+                    lost_step_fraction=run.lost_when(mask),
+                    noise_floor_fraction=run.jitter_when(mask),
+                    projection_basis="ranks",
+                    evidence=(
+                        f"a rank of host {host} was the straggler in {pct(share)} of {run.S:,} steps "
+                        f"(ranks {', '.join(map(str, members))}; none alone above "
+                        f"{pct(max(member_shares))}): the host is slow, not one rank"
+                    ),
+                    action=(
+                        "check that host: CPU frequency/thermal throttling, other jobs, its NIC and switch "
+                        "port"
+                    ),
+                )
+            )
+    return out
+
+
+def persistent_or_late_start(run: RunStats, explained: set[int]) -> list[Finding]:
+    out = []
+    noise = run.noise_ms()
+    for r in range(run.W):
+        if r in explained or run.share[r] < run.cfg.persistent_share:
+            continue
+        mask = run.straggler == r
+        late = float(np.median(run.late_ms([r], mask)))
+        if late < noise:
+            continue
+        compute_late = float(np.median((run.a.compute[:, r] - run.others_median(run.a.compute, [r]))[mask]))
+        explained.add(r)
+        if compute_late >= run.cfg.compute_late_fraction * late:
+            out.append(
+                Finding(
+                    mode=Mode.PERSISTENT_STRAGGLER,
+                    ranks=[r],
+                    hosts=run.hosts_of([r]),
+                    confidence=float(run.share[r]),
+                    lost_step_fraction=run.lost_when(mask),
+                    noise_floor_fraction=run.jitter_when(mask),
+                    projection_basis="ranks",
+                    evidence=(
+                        f"{run.a.describe_rank(r)} arrived last in {pct(float(run.share[r]))} of "
+                        f"{run.S:,} steps, {late:.1f} ms late at the median; its own compute took "
+                        f"{compute_late:.1f} ms longer than the other ranks' median"
+                    ),
+                    action=(
+                        "this rank's local work is slow: check its device (clocks, throttling, ECC), other "
+                        "processes on its host, its input; pacing the others cannot shorten its steps"
+                    ),
+                )
+            )
+        else:
+            gap_r = float(np.median(run.a.gap[mask, r]))
+            gap_others = float(np.median(run.others_median(run.a.gap, [r])[mask]))
+            out.append(
+                Finding(
+                    mode=Mode.FABRIC_CONTENTION,
+                    ranks=[r],
+                    hosts=run.hosts_of([r]),
+                    confidence=float(run.share[r]) * LATE_START_CONFIDENCE_FACTOR,
+                    lost_step_fraction=run.lost_when(mask),
+                    noise_floor_fraction=run.jitter_when(mask),
+                    projection_basis="ranks",
+                    evidence=(
+                        f"{run.a.describe_rank(r)} arrived last in {pct(float(run.share[r]))} of "
+                        f"{run.S:,} steps, {late:.1f} ms late at the median, but its compute was normal "
+                        f"({compute_late:+.1f} ms against the other ranks' median): it started each step "
+                        f"{gap_r:.1f} ms after its previous collective completed, against "
+                        f"{gap_others:.1f} ms "
+                        "on the other ranks, so its lateness comes from a slower network path, not from "
+                        "the rank"
+                    ),
+                    action=(
+                        "look at this rank's network path (link rate, switch port, oversubscribed uplink); "
+                        "the rank itself is healthy and must not be paced or replaced"
+                    ),
+                    details={
+                        "late_ms": late,
+                        "compute_late_ms": compute_late,
+                        "start_gap_ms": gap_r,
+                        "others_start_gap_ms": gap_others,
+                    },
+                )
+            )
+    return out
+
+
+def host_oversubscription(run: RunStats, explained: set[int]) -> list[Finding]:
+    out = []
+    cfg = run.cfg
+    for h in run.crowded:
+        # the steps whose straggler is on this host and not already explained (a slow rank, its input)
+        mask = np.isin(run.straggler, [r for r in h.ranks if r not in explained])
+        lost, jitter = run.lost_when(mask), run.jitter_when(mask)
+        explained.update(h.ranks)  # a moving straggler on a crowded host: the host, not amplification
+        cols = run.a.compute[:, h.ranks]
+        compute_cv = float(np.median(cols.std(axis=0) / np.maximum(cols.mean(axis=0), EPSILON)))
+        step_cv = float(run.a.step_ms.std() / max(float(run.a.step_ms.mean()), EPSILON))
+        beyond = lost - jitter >= cfg.healthy_lost_fraction
+        unsteady = max(compute_cv, step_cv) >= cfg.compute_cv_steady
+        t = run.transfer
+        transfer_cv = float(t.std() / t.mean()) if t.mean() > 0 else 0.0
+        collective = (
+            f"; the collective's time is unstable too (CV {transfer_cv:.2f}): on a crowded host it waits "
+            "for CPU, so it is not reported as fabric contention"
+            if run.crowded_ranks >= set(range(run.W)) and transfer_cv >= cfg.transfer_cv
+            else ""
+        )
+        out.append(
+            Finding(
+                mode=Mode.HOST_OVERSUBSCRIPTION,
+                ranks=list(h.ranks),
+                hosts=[h.host],
+                confidence=OVERSUBSCRIPTION_BASE_CONFIDENCE
+                + OVERSUBSCRIPTION_SIGNAL_CONFIDENCE * beyond
+                + OVERSUBSCRIPTION_SIGNAL_CONFIDENCE * unsteady,
+                lost_step_fraction=lost,
+                noise_floor_fraction=jitter,
+                evidence=(
+                    f"host {h.host}: {h.load_text()} = {h.busy_threads} busy threads on {h.cores_text()}, "
+                    f"{h.ratio:.1f} per core; steps {run.median_step:.1f} ms at the median (CV "
+                    f"{step_cv:.2f}, per-rank compute CV {compute_cv:.2f}), {pct(lost)} of step time lost "
+                    "to waiting — a lower bound of the cost, since time-slicing slows every rank's own "
+                    f"compute too{collective}"
+                ),
+                action=h.fix_text(),
+                details={
+                    "host": h.host,
+                    "busy_threads": h.busy_threads,
+                    "cores": h.cores,
+                    "cores_from": h.cores_from,
+                    "cpu_affinity": h.affinity,
+                    "host_cores": h.host_cores,
+                    "intra_op_threads": h.threads,
+                    "intra_op_threads_recorded": h.threads_known,
+                    "omp_num_threads": h.omp_num_threads,
+                    "dataloader_workers": h.workers,
+                    "dataloader_workers_recorded": h.workers_known,
+                    "suggested_threads_per_rank": h.threads_per_rank_fix(),
+                },
+            )
+        )
+    return out

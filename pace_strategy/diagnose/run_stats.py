@@ -1,0 +1,143 @@
+"""What every check reads: a run's derived per-step quantities, and the fixed constants the
+checks share (structural minimums, confidences, quoted percentiles)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pace_strategy.core.glossary import lead_ms, skew_ms, straggler_rank, transfer_ms
+from pace_strategy.diagnose.arrays import RANK_AXIS, RunArrays
+from pace_strategy.diagnose.config import DiagnosisConfig
+from pace_strategy.diagnose.hosts import HostLoad, host_loads
+from pace_strategy.diagnose.noise import jitter_floor
+from pace_strategy.diagnose.result import Finding, Mode
+
+__all__ = [
+    "AMPLIFICATION_BASE_CONFIDENCE",
+    "AMPLIFICATION_SIGNAL_CONFIDENCE",
+    "EPSILON",
+    "FABRIC_BASE_CONFIDENCE",
+    "FABRIC_SIGNAL_CONFIDENCE",
+    "GROWTH_RANK_COUNTS",
+    "GROWTH_SAMPLE_STEPS",
+    "GROWTH_SEED",
+    "LATE_START_CONFIDENCE_FACTOR",
+    "MIN_PLACES",
+    "MIN_RANKS",
+    "OVERSUBSCRIPTION_BASE_CONFIDENCE",
+    "OVERSUBSCRIPTION_SIGNAL_CONFIDENCE",
+    "SKEW_TAIL_PERCENTILE",
+    "TRANSFER_FLOOR_PERCENTILE",
+    "TRANSFER_TAIL_PERCENTILE",
+    "UNEXPLAINED_CONFIDENCE",
+    "RunStats",
+]
+
+
+# Structural minimums, not tunable: skew needs a second rank, and a slowness "follows a place" only if
+# it shows on at least two places (one place is one rank or one host, reported as such).
+MIN_RANKS = 2
+
+MIN_PLACES = 2
+
+# Fixed confidences (0..1). They rank findings for the reader and decide nothing, so they are not
+# thresholds of DiagnosisConfig.
+UNEXPLAINED_CONFIDENCE = 0.3  #: lost time with no pattern: a pointer to the heat map, no more
+
+LATE_START_CONFIDENCE_FACTOR = 0.8  #: a slow path is inferred from start gaps, not measured on it
+
+FABRIC_BASE_CONFIDENCE = 0.6  #: plus FABRIC_SIGNAL_CONFIDENCE for each of "inflated", "unstable"
+
+FABRIC_SIGNAL_CONFIDENCE = 0.2
+
+AMPLIFICATION_BASE_CONFIDENCE = 0.5  #: plus AMPLIFICATION_SIGNAL_CONFIDENCE for each of heavy tail, growth
+
+AMPLIFICATION_SIGNAL_CONFIDENCE = 0.25
+
+OVERSUBSCRIPTION_BASE_CONFIDENCE = 0.6  #: busy threads > cores is read from the header, not inferred;
+
+OVERSUBSCRIPTION_SIGNAL_CONFIDENCE = 0.2  #: plus this for each of "waiting beyond the floor", "unsteady"
+
+# Which statistics the evidence quotes (and the docs name): skew p99/p50, transfer p95/p50; the transfer
+# time's floor (its best case, for what a steadier fabric would save) is its 5th percentile.
+SKEW_TAIL_PERCENTILE = 99
+
+TRANSFER_TAIL_PERCENTILE = 95
+
+TRANSFER_FLOOR_PERCENTILE = 5
+
+# The amplification curve: slowest-of-k excess for k = 2, 4, ... up to W, on a fixed-seed sample of steps
+# (a sample is plenty for a mean, and the seed keeps the report reproducible).
+GROWTH_RANK_COUNTS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+GROWTH_SAMPLE_STEPS = 5000
+
+GROWTH_SEED = 0
+
+EPSILON = 1e-9  #: keeps ratios finite where a denominator (ms or share) is zero
+
+
+class RunStats:
+    """Derived per-step quantities shared by the checks."""
+
+    def __init__(self, a: RunArrays, cfg: DiagnosisConfig) -> None:
+        self.a, self.cfg = a, cfg
+        self.W = a.world_size
+        self.S = a.steps
+        w = a.wait
+        self.transfer = transfer_ms(w, RANK_AXIS)
+        self.lead = lead_ms(w, RANK_AXIS)
+        self.straggler = straggler_rank(w, RANK_AXIS)
+        self.counts = np.bincount(self.straggler, minlength=self.W)
+        self.share = self.counts / max(self.S, 1)
+        self.median_wait = np.median(w, axis=1)
+        self.lost_per_step = self.lead.mean(axis=1)
+        self.total_step = float(a.step_ms.sum())
+        self.median_step = float(np.median(a.step_ms))
+        self.skew = skew_ms(w, RANK_AXIS)
+        self.hosts = [str(h) if h is not None else "?" for h in a.topology("host")]
+        nodes = a.topology("node_rank")
+        self.nodes = [n if n is not None and n >= 0 else self.hosts[r] for r, n in enumerate(nodes)]
+        local = a.topology("local_rank")
+        self.local = [x if x is not None and x >= 0 else -1 for x in local]
+        self.floor = jitter_floor(w, a.step_ms)
+        self.crowded: list[HostLoad] = [
+            h for h in host_loads(list(a.header.get("topology", []))) if h.ratio > cfg.busy_threads_per_core
+        ]
+        self.crowded_ranks = {r for h in self.crowded for r in h.ranks}
+        self.all_steps = np.ones(self.S, dtype=bool)
+        devices = [str(d) for d in a.topology("device") if d is not None]
+        #: a network or device links between the ranks (several hosts, or accelerators)
+        self.has_fabric = len(set(self.hosts)) >= MIN_PLACES or any(not d.startswith("cpu") for d in devices)
+        self.notes: list[str] = []  #: what the checks observed but do not report as findings
+
+    def others_median(self, x: np.ndarray, ranks: list[int]) -> np.ndarray:
+        """Per step, the median of ``x`` over the ranks not in ``ranks``."""
+        keep = np.ones(self.W, dtype=bool)
+        keep[ranks] = False
+        return np.median(x[:, keep], axis=1)
+
+    def late_ms(self, ranks: list[int], mask: np.ndarray) -> np.ndarray:
+        """How much later than the other ranks' median the straggler arrived, on the masked steps."""
+        return (self.others_median(self.a.wait, ranks) - self.transfer)[mask]
+
+    def noise_ms(self) -> float:
+        return max(self.cfg.slow_ms_floor, self.cfg.slow_step_fraction * self.median_step)
+
+    def lost_when(self, mask: np.ndarray) -> float:
+        return float(self.lost_per_step[mask].sum()) / self.total_step if self.total_step > 0 else 0.0
+
+    def jitter_when(self, mask: np.ndarray) -> float:
+        """The noise floor over the masked steps: the waiting the run's own jitter explains there."""
+        if self.total_step <= 0:
+            return 0.0
+        lead = self.cfg.jitter_floor_factor * self.floor.expected_lead_ms
+        return lead * float(mask.sum()) / self.total_step
+
+    def worth_acting_on(self, f: Finding) -> bool:
+        # A crowded host is read from the header, not inferred from the timings: it is reported whatever
+        # the waiting costs, since the time-slicing slows every rank's compute too.
+        return f.mode is Mode.HOST_OVERSUBSCRIPTION or f.excess_fraction >= self.cfg.healthy_lost_fraction
+
+    def hosts_of(self, ranks: list[int]) -> list[str]:
+        return sorted({self.hosts[r] for r in ranks})
