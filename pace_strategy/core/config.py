@@ -283,6 +283,11 @@ class PacingConfig:
 
         ``None`` or an empty mapping gives the defaults.
         """
+        if values is not None and not isinstance(values, Mapping):
+            raise PacingConfigError(
+                f"PacingConfig values={values!r} are invalid: expected a mapping of field names to values "
+                "(e.g. {'mode': 'monitor'})."
+            )
         values = dict(values or {})
         check_known_keys(values, cls.field_names(), "pacing config field")
         return cls(**values)
@@ -317,7 +322,11 @@ def _number(
     low_open: bool = False,
 ) -> None:
     value = getattr(cfg, name)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    try:
+        ok = ok and math.isfinite(value)
+    except OverflowError:  # an int beyond the float range
+        ok = False
     if ok:
         ok = (value > low if low_open else value >= low) and value <= high
     if not ok:

@@ -63,5 +63,5 @@ def coefficient_of_variation(values: Sequence[float]) -> float:
     mean = sum(values) / n
     if mean <= 0.0:
         return 0.0
-    var = sum((v - mean) ** 2 for v in values) / n
+    var = sum((v - mean) * (v - mean) for v in values) / n  # x * x: inf where x ** 2 would raise
     return math.sqrt(var) / mean

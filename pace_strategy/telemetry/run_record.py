@@ -13,7 +13,9 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,39 +232,161 @@ def iter_run_record(p: Path) -> Iterator[dict[str, Any]]:
     """The objects of run-record file ``p`` in order, the header first (checked against the schema).
 
     A cut-off last line (a crash mid-write; everything before it is intact) ends the iteration with
-    ``{"record": "truncated"}``; any other unreadable line, a missing header or a newer schema
-    version raises ``RunRecordError``.
+    ``{"record": "truncated"}``. Any other unreadable line, a missing header, a newer schema version
+    or a known line (``header``, ``step``, ``decision``, ``end``) without a field that readers use,
+    or with a value of the wrong type, raises ``RunRecordError`` naming the line and the field. Lines
+    of other kinds are passed through unchecked (what a later writer may add).
     """
-    with p.open(encoding="utf-8") as f:
+    with p.open("rb") as f:
         lines = f.readlines()
     if not lines:
         raise RunRecordError(f"run record {p} is empty")
-    not_a_record = f"{p} is not a pace_strategy run record (no {SCHEMA!r} header on line 1)"
     header_seen = False
+    world_size = 0
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as error:
+            obj = json.loads(line.decode("utf-8"))
+        except (ValueError, RecursionError) as error:  # JSON or UTF-8; RecursionError: absurd nesting
             if number == len(lines) and header_seen:
                 yield {"record": TRUNCATED}
                 return
-            if number == len(lines):
-                raise RunRecordError(not_a_record) from error
-            raise RunRecordError(f"run record {p} line {number} is not valid JSON: {error}") from error
+            where = f"run record {p} line {number} is not valid JSON: {error}"
+            if not header_seen:
+                raise RunRecordError(f"{_not_a_record(p, number)}: {where}") from error
+            raise RunRecordError(where) from error
         if not header_seen:
-            if obj.get("record") != "header" or obj.get("schema") != SCHEMA:
-                raise RunRecordError(not_a_record)
-            if int(obj.get("version", -1)) > SCHEMA_VERSION:
-                raise RunRecordError(
-                    f"{p} has run-record schema version {obj['version']}; this pace_strategy reads up to "
-                    f"{SCHEMA_VERSION}. Upgrade pace_strategy."
-                )
+            world_size = _check_header(p, number, obj)
             header_seen = True
+        else:
+            _check_line(p, number, obj, world_size)
         yield obj
     if not header_seen:
-        raise RunRecordError(not_a_record)
+        raise RunRecordError(_not_a_record(p, len(lines)))
+
+
+def _not_a_record(p: Path, number: int) -> str:
+    where = "line 1" if number == 1 else f"lines 1-{number}"
+    return f"{p} is not a pace_strategy run record (no {SCHEMA!r} header on {where})"
+
+
+_INT = (int,)
+_BOOL = (bool,)
+_STR = (str,)
+_NUMBER = (int, float, type(None))  #: a duration; null where it was not finite
+_NUMBERS = frozenset(_NUMBER)
+_FLOAT_MAX = sys.float_info.max
+
+
+def _are_numbers(values: Sequence[Any]) -> bool:
+    """Whether every value is a JSON number that fits a float, or null."""
+    kinds = set(map(type, values))
+    # an integer beyond the float range (a hand-edited line) would overflow every statistic
+    return kinds <= _NUMBERS and (
+        int not in kinds or all(abs(v) <= _FLOAT_MAX for v in values if type(v) is int)
+    )
+
+
+#: the fields that readers use in each kind of line (``summarize``, ``pace diagnose``), and their JSON types
+_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "step": {
+        "step": _INT,
+        "valid": _BOOL,
+        "warmup": _BOOL,
+        "skew_ms": _NUMBER,
+        "straggler_rank": _INT,
+        "compute_straggler_rank": _INT,
+        "step_ms": _NUMBER,
+        "step_cv": _NUMBER,
+        "wait_ms_min": _NUMBER,
+        "wait_ms_max": _NUMBER,
+        "delay_ms_max": _NUMBER,
+        "pacing_active": _BOOL,
+        "buckets": _INT,
+        "ranks": (dict,),
+    },
+    "decision": {
+        "window": _INT,
+        "after_step": _INT,
+        "state": _STR,
+        "pacing_active": _BOOL,
+        "delays_ms": (list,),
+        "reason": _STR,
+        "baseline_step_ms": _NUMBER,
+        "paced_step_ms": _NUMBER,
+    },
+    "end": {"status": _STR, "steps": _INT},
+}
+_RANK_FIELDS = ("lead_ms", "compute_ms", "wait_ms", "delay_ms", "step_ms", "data_ms", "gap_ms")
+_TYPE_WORDS = {int: "an integer", bool: "true or false", str: "a string", dict: "an object", list: "a list"}
+
+
+def _bad_line(p: Path, number: int, problem: str) -> RunRecordError:
+    return RunRecordError(
+        f"run record {p} line {number}: {problem}; the line is not what pace_strategy writes "
+        f"(schema {SCHEMA!r} version {SCHEMA_VERSION}): fix or delete the line"
+    )
+
+
+def _check_fields(p: Path, number: int, obj: dict[str, Any], fields: Mapping[str, tuple[type, ...]]) -> None:
+    for key, types in fields.items():
+        if key not in obj:
+            raise _bad_line(p, number, f"{obj['record']} has no {key!r} field")
+        # exact types: JSON gives only these, and a bool is not a count
+        if type(obj[key]) not in types or (types is _NUMBER and not _are_numbers((obj[key],))):
+            expected = "a number or null" if types is _NUMBER else _TYPE_WORDS[types[0]]
+            raise _bad_line(p, number, f"{obj['record']} field {key!r}={obj[key]!r} is not {expected}")
+
+
+def _check_header(p: Path, number: int, obj: Any) -> int:
+    """The world size of header ``obj`` (line ``number``), once it is checked."""
+    if not isinstance(obj, dict) or obj.get("record") != "header" or obj.get("schema") != SCHEMA:
+        raise RunRecordError(_not_a_record(p, number))
+    version = obj.get("version")
+    if type(version) is not int:
+        raise _bad_line(p, number, f"header field 'version'={version!r} is not an integer")
+    if version > SCHEMA_VERSION:
+        raise RunRecordError(
+            f"{p} has run-record schema version {version}; this pace_strategy reads up to "
+            f"{SCHEMA_VERSION}. Upgrade pace_strategy."
+        )
+    world = obj.get("world_size")
+    if type(world) is not int or world < 1:
+        raise _bad_line(p, number, f"header field 'world_size'={world!r} is not an integer >= 1")
+    for key, kind in (("config", dict), ("topology", list)):
+        if key in obj and type(obj[key]) is not kind:
+            raise _bad_line(p, number, f"header field {key!r} is not {_TYPE_WORDS[kind]}")
+    for entry in obj.get("topology", []):
+        if type(entry) is not dict or type(entry.get("rank")) is not int:
+            raise _bad_line(p, number, f"header 'topology' entry {entry!r} is not an object with a 'rank'")
+    return world
+
+
+def _check_line(p: Path, number: int, obj: Any, world_size: int) -> None:
+    if not isinstance(obj, dict) or type(obj.get("record")) is not str:
+        raise _bad_line(p, number, "not a JSON object with a 'record' field")
+    kind = obj["record"]
+    if kind == "header":
+        raise _bad_line(p, number, "a second header (two run records in one file?)")
+    fields = _FIELDS.get(kind)
+    if fields is None:
+        return
+    _check_fields(p, number, obj, fields)
+    if kind == "decision" and not _are_numbers(obj["delays_ms"]):
+        raise _bad_line(p, number, "decision field 'delays_ms' is not a list of numbers")
+    if kind != "step":
+        return
+    for key in ("straggler_rank", "compute_straggler_rank"):
+        if not 0 <= obj[key] < world_size:
+            raise _bad_line(p, number, f"step field {key!r}={obj[key]} is not a rank of the {world_size}")
+    ranks = obj["ranks"]
+    for key in _RANK_FIELDS:
+        values = ranks.get(key)
+        if type(values) is not list or len(values) != world_size or not _are_numbers(values):
+            raise _bad_line(
+                p, number, f"step field 'ranks.{key}' is not a list of {world_size} numbers (one per rank)"
+            )
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -317,14 +441,13 @@ def summarize(record: RunRecord) -> RunSummary:
     steps = [s for s in record.steps if s["valid"] and not s["warmup"]]
     world = record.world_size
     skews = [s["skew_ms"] for s in steps if s["skew_ms"] is not None]
-    counts = [0] * world
-    for s in steps:
-        counts[int(s["straggler_rank"])] += 1
-    straggler = max(range(world), key=counts.__getitem__) if world else -1
+    # counted over the steps, not the ranks: the header's world size is whatever the file says
+    counts = Counter(int(s["straggler_rank"]) for s in steps)
+    straggler = min(counts, key=lambda r: (-counts[r], r)) if counts else (0 if world else -1)
     step_times = [s["step_ms"] for s in steps if s["step_ms"] is not None]
     cv = coefficient_of_variation(step_times)
     active = [s for s in steps if s["pacing_active"]]
-    delays = [s["delay_ms_max"] for s in active]
+    delays = [s["delay_ms_max"] for s in active if s["delay_ms_max"] is not None]
     last = record.decisions[-1] if record.decisions else {"state": "monitor", "reason": "no decision yet"}
     return RunSummary(
         steps=len(steps),

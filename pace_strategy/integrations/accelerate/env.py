@@ -66,7 +66,7 @@ def _decode(field: str, text: str) -> Any:
         return _SWITCH_WORDS.get(text.strip().lower(), text)  # another word: validation names it
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: thousands of nested brackets
         return text  # a bare word (``monitor``): the field's validation decides
 
 

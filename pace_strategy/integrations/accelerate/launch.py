@@ -37,6 +37,19 @@ def _config_arg(argv: list[str]) -> tuple[int, str] | None:
     return None
 
 
+def _count(data: dict[Any, Any], key: str, path: str) -> int:
+    """An integer setting of the accelerate config (absent or null: 1)."""
+    value = data.get(key)
+    if value is None:
+        return 1
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):  # OverflowError: .inf
+        raise PacingConfigError(
+            f"{path}: {key}={value!r} is invalid: expected an integer (accelerate's own setting)"
+        ) from None
+
+
 def prepare_launch(argv: Sequence[str]) -> tuple[list[str], dict[str, str], Path | None]:
     """The accelerate launch arguments, the extra environment and the temporary config to delete."""
     import yaml
@@ -47,9 +60,12 @@ def prepare_launch(argv: Sequence[str]) -> tuple[list[str], dict[str, str], Path
         return args, {}, None
     index, path = found
     try:
-        data: Any = yaml.safe_load(Path(path).read_text()) or {}
+        data: Any = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
     except OSError as error:
         raise PacingConfigError(f"cannot read accelerate config {path}: {error}") from error
+    except (yaml.YAMLError, ValueError) as error:  # ValueError: not UTF-8, or a value YAML cannot build
+        reason = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
+        raise PacingConfigError(f"{path}: the accelerate config is not valid YAML: {reason}") from error
     if not isinstance(data, dict):
         raise PacingConfigError(f"{path}: expected a mapping at the top level of the accelerate config")
     section = data.pop(SECTION, None)
@@ -62,10 +78,10 @@ def prepare_launch(argv: Sequence[str]) -> tuple[list[str], dict[str, str], Path
     except PacingConfigError as error:
         raise PacingConfigError(f"{path}: {SECTION}: {error}") from None
     env["PACE_CONFIG_SOURCE"] = str(path)
-    single_machine = int(data.get("num_machines", 1) or 1) == 1
+    single_machine = (_count(data, "num_machines", path) or 1) == 1
     if (
         data.get("distributed_type") == "MULTI_CPU"
-        and int(data.get("num_processes", 1)) > 1
+        and _count(data, "num_processes", path) > 1
         and single_machine
     ):
         # accelerate 1.x starts a single process for MULTI_CPU on one machine; its multi-process
