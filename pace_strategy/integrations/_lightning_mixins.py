@@ -25,10 +25,29 @@ from pace_strategy.integrations._lightning_fsdp import FSDPSharding
 from pace_strategy.integrations._lightning_pacing import StrategyPacing, UserCommHook
 from pace_strategy.session import PacingSession
 
-__all__ = ["PacedDDPMixin", "PacedFSDPMixin", "PacedStrategyMixin", "StrategyRegistry"]
+__all__ = [
+    "PacedDDPMixin",
+    "PacedFSDPMixin",
+    "PacedStrategyMixin",
+    "StrategyRegistry",
+    "register_paced_ddp",
+]
 
 #: (registry name, start method) of the paced DDP strategies.
 DDP_STRATEGY_NAMES: tuple[tuple[str, str], ...] = (("paced_ddp", "popen"), ("paced_ddp_spawn", "spawn"))
+
+
+def register_paced_ddp(strategy_registry: StrategyRegistry, strategy: type) -> None:
+    """Register ``strategy`` as ``paced_ddp`` (popen start) and ``paced_ddp_spawn`` (spawn start), as
+    a Lightning Trainer's or Fabric's strategy registry takes it."""
+    for name, start_method in DDP_STRATEGY_NAMES:
+        strategy_registry.register(
+            name,
+            strategy,
+            description=f"DDP with skew monitoring and adaptive pacing ({start_method!r} start)",
+            override=True,
+            start_method=start_method,
+        )
 
 
 class StrategyRegistry(Protocol):
@@ -162,14 +181,7 @@ class PacedDDPMixin(PacedStrategyMixin, _DDPBase):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        for name, start_method in DDP_STRATEGY_NAMES:
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"DDP with skew monitoring and adaptive pacing ({start_method!r} start)",
-                override=True,
-                start_method=start_method,
-            )
+        register_paced_ddp(strategy_registry, cls)
 
 
 class PacedFSDPMixin(PacedStrategyMixin, _FSDPBase):

@@ -33,7 +33,7 @@ from typing_extensions import override
 
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.hooks.ddp import attach_paced_ddp
-from pace_strategy.integrations._lightning_mixins import DDP_STRATEGY_NAMES, StrategyRegistry
+from pace_strategy.integrations._lightning_mixins import StrategyRegistry, register_paced_ddp
 from pace_strategy.integrations._lightning_pacing import PacingArg, as_pacing_config
 from pace_strategy.integrations.accelerate.env import RUN_DIR_ENV, run_dir_from_env
 from pace_strategy.integrations.data import time_dataloader
@@ -214,14 +214,7 @@ class PacedFabricDDPStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
-        for name, start_method in DDP_STRATEGY_NAMES:
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"DDP with skew monitoring and adaptive pacing ({start_method!r} start)",
-                override=True,
-                start_method=start_method,
-            )
+        register_paced_ddp(strategy_registry, cls)
 
 
 def finish_pacing(fabric: Fabric) -> None:

@@ -29,6 +29,17 @@ def run_demo(tmp_path: Path, *args: str, timeout: float = 150.0) -> subprocess.C
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "train"
 
+#: an accelerate config for 2 CPU processes on this machine; ``kind``: MULTI_CPU (``pace launch``
+#: rewrites it) or MULTI_GPU (with use_cpu, what accelerate 1.x needs for CPU workers)
+ACCELERATE_CPU_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: {kind}
+num_processes: 2
+num_machines: 1
+machine_rank: 0
+mixed_precision: 'no'
+use_cpu: true
+"""
+
 
 def run_recipe(
     tmp_path: Path, recipe: str, *overrides: str, timeout: float = 150.0

@@ -17,21 +17,13 @@ import pytest
 
 from pace_strategy.integrations.accelerate import config_from_env
 from pace_strategy.telemetry import TAGS, lead_tag, read_run_record
-from tests.integration.helpers import read_scalars
+from tests.integration.helpers import ACCELERATE_CPU_CONFIG, read_scalars
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "train"
 SCRIPT = RECIPES / "accelerate_train.py"
 RECIPE = RECIPES / "accelerate_ddp.yaml"
-BASE_CONFIG = """compute_environment: LOCAL_MACHINE
-distributed_type: {kind}
-num_processes: 2
-num_machines: 1
-machine_rank: 0
-mixed_precision: 'no'
-use_cpu: true
-"""
 
 
 def launch(tmp_path: Path, command: list[str], config: str, *overrides: str, env: dict | None = None):
@@ -75,7 +67,7 @@ def check_straggler(tmp_path: Path, steps: int) -> None:
 
 def test_pace_launch_reads_the_pacing_config_section(tmp_path):
     section = "pacing_config:\n  mode: monitor\n  exchange_every_steps: 8\n"
-    out = launch(tmp_path, PACE, BASE_CONFIG.format(kind="MULTI_CPU") + section)
+    out = launch(tmp_path, PACE, ACCELERATE_CPU_CONFIG.format(kind="MULTI_CPU") + section)
     assert out.returncode == 0, out.stderr[-3000:]
     check_straggler(tmp_path, 40)
     record = read_run_record(tmp_path / "proj")
@@ -85,7 +77,7 @@ def test_pace_launch_reads_the_pacing_config_section(tmp_path):
 
 def test_plain_accelerate_launch_with_pace_variables_and_accumulation(tmp_path):
     env = {"ACCELERATE_USE_CPU": "1", "PACE_MODE": "monitor", "PACE_EXCHANGE_EVERY_STEPS": "4"}
-    config = BASE_CONFIG.format(kind="MULTI_GPU")
+    config = ACCELERATE_CPU_CONFIG.format(kind="MULTI_GPU")
     out = launch(tmp_path, ACCELERATE, config, "trainer.max_steps=10", "trainer.accumulate=4", env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "trained 10 steps" in out.stdout  # 40 micro-batches, 4 per optimizer step
@@ -96,11 +88,15 @@ def test_plain_accelerate_launch_with_pace_variables_and_accumulation(tmp_path):
 
 
 def test_bad_pacing_config_fails_at_launch(tmp_path):
-    out = launch(tmp_path, PACE, BASE_CONFIG.format(kind="MULTI_CPU") + "pacing_config:\n  max_delay: 5\n")
+    out = launch(
+        tmp_path, PACE, ACCELERATE_CPU_CONFIG.format(kind="MULTI_CPU") + "pacing_config:\n  max_delay: 5\n"
+    )
     assert out.returncode == 2
     assert "pacing_config" in out.stderr and "Did you mean 'max_delay_ms'?" in out.stderr
     assert not (tmp_path / "proj").exists(), "no worker may start"
-    out = launch(tmp_path, PACE, BASE_CONFIG.format(kind="MULTI_CPU") + "pacing_config:\n  gain: high\n")
+    out = launch(
+        tmp_path, PACE, ACCELERATE_CPU_CONFIG.format(kind="MULTI_CPU") + "pacing_config:\n  gain: high\n"
+    )
     assert out.returncode == 2 and "PacingConfig.gain='high'" in out.stderr
 
 
@@ -118,7 +114,7 @@ def test_pace_variables_are_parsed_and_checked():
 
 def test_the_handle_removes_every_hook_it_registered(tmp_path):
     cfg, script = tmp_path / "accel.yaml", Path(__file__).parent / "accelerate_attach_script.py"
-    cfg.write_text(BASE_CONFIG.format(kind="MULTI_GPU"))
+    cfg.write_text(ACCELERATE_CPU_CONFIG.format(kind="MULTI_GPU"))
     out = subprocess.run(
         [*ACCELERATE, "--config_file", str(cfg), str(script), str(tmp_path / "run")],
         env={**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1"},

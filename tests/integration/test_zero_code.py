@@ -19,19 +19,11 @@ from pathlib import Path
 import pytest
 
 from pace_strategy.telemetry import TAGS, read_run_record
-from tests.integration.helpers import read_scalars
+from tests.integration.helpers import ACCELERATE_CPU_CONFIG, read_scalars
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
 HERE = Path(__file__).resolve().parent
-CONFIG = """compute_environment: LOCAL_MACHINE
-distributed_type: {kind}
-num_processes: 2
-num_machines: 1
-machine_rank: 0
-mixed_precision: 'no'
-use_cpu: true
-"""
 PACING = "pacing_config:\n  mode: monitor\n  exchange_every_steps: 4\n  warmup_steps: 2\n"
 PACE = [sys.executable, "-m", "pace_strategy.cli", "launch"]
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -39,19 +31,25 @@ ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 LAUNCHES = {
     "accelerate": (
         PACE,
-        CONFIG.format(kind="MULTI_CPU") + PACING,
+        ACCELERATE_CPU_CONFIG.format(kind="MULTI_CPU") + PACING,
         "zero_code_accelerate_script.py",
         "12",
         {},
     ),
     "plain": (
         ACCELERATE,
-        CONFIG.format(kind="MULTI_GPU"),
+        ACCELERATE_CPU_CONFIG.format(kind="MULTI_GPU"),
         "zero_code_accelerate_script.py",
         "2",
         {"ACCELERATE_USE_CPU": "1", "PACE_MODE": "monitor"},  # PACE_* alone attach nothing
     ),
-    "trainer": (PACE, CONFIG.format(kind="MULTI_CPU") + PACING, "zero_code_trainer_script.py", "8", {}),
+    "trainer": (
+        PACE,
+        ACCELERATE_CPU_CONFIG.format(kind="MULTI_CPU") + PACING,
+        "zero_code_trainer_script.py",
+        "8",
+        {},
+    ),
 }
 
 
