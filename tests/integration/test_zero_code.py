@@ -11,6 +11,7 @@ tests/unit/test_zero_code.py and tests/unit/test_pacing_callback.py."""
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -53,6 +54,12 @@ LAUNCHES = {
 }
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class Launch:
     def __init__(self, root: Path, name: str) -> None:
         command, config, script, steps, env = LAUNCHES[name]
@@ -63,6 +70,9 @@ class Launch:
         self._process = subprocess.Popen(
             [
                 *command,
+                # the three launches run at once: each its own free port, not accelerate's 29500
+                "--main_process_port",
+                str(_free_port()),
                 "--config_file",
                 str(self.dir / "accel.yaml"),
                 str(HERE / script),
