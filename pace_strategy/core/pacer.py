@@ -52,6 +52,9 @@ class _OpenStep:
     end: Any | None = None
     delay_ms: float = 0.0
     data_ms: float = 0.0
+    gc_ms: float = 0.0
+    gc_collections: int = 0
+    samples: int = 0
     #: whether bucket hand-offs are seen (the comm-hook monitor); False: the buckets are not timed
     bucketed: bool = True
     handoffs: list[Any] = field(default_factory=list)
@@ -153,6 +156,19 @@ class Pacer:
             self._open.data_ms += ms
         else:
             self._pending_data_ms += ms
+
+    def add_gc(self, ms: float, collections: int = 1) -> None:
+        """The garbage collector ran this long (milliseconds) during the open step; outside a step
+        (validation, checkpointing, between steps) nothing is counted."""
+        if self._open is not None:
+            self._open.gc_ms += ms
+            self._open.gc_collections += collections
+
+    def set_samples(self, samples: int) -> None:
+        """The open step trains on ``samples`` samples on this rank (the last call in a step wins;
+        with gradient accumulation, the caller passes the step's total)."""
+        if self._open is not None:
+            self._open.samples = samples
 
     def interrupt(self) -> None:
         """Something other than training ran since the last step (validation, checkpointing): the next
@@ -309,6 +325,9 @@ class Pacer:
         row[Field.GAP_MS] = el(s.prev_done, s.begin) if s.prev_done is not None else el(s.start, s.begin)
         if s.bucketed:
             row[Field.BUCKETS] = float(len(s.handoffs) + (1 if s.ready is not None else 0))
+        row[Field.GC_MS] = s.gc_ms
+        row[Field.GC_COLLECTIONS] = float(s.gc_collections)
+        row[Field.SAMPLES] = float(s.samples)
         return row
 
     def _decide(self, gathered: torch.Tensor) -> WindowResult:

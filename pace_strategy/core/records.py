@@ -28,6 +28,9 @@ class Field(enum.IntEnum):
     DATA_MS = 7  #: time the training loop was blocked fetching this step's input (``add_data_wait``)
     GAP_MS = 8  #: previous step's collective completion -> this batch ready (optimizer, loop, input, ...)
     BUCKETS = 9  #: buckets (DDP comm-hook monitor; 0: not timed) or collectives (FSDP) handed off
+    GC_MS = 10  #: time this rank's garbage collector ran during the step (0 when not measured)
+    GC_COLLECTIONS = 11  #: garbage collections (any generation) that ran during the step
+    SAMPLES = 12  #: samples this rank trained on in the step (0: not known to pace_strategy)
 
 
 NUM_FIELDS = len(Field)
@@ -89,3 +92,6 @@ class StepSummary:
     data_ms: tuple[float, ...]
     gap_ms: tuple[float, ...]
     buckets: int
+    gc_ms: tuple[float, ...] = ()  #: per rank: time in the garbage collector during the step
+    gc_collections: tuple[int, ...] = ()  #: per rank: collections during the step
+    samples: tuple[int, ...] = ()  #: per rank: samples trained on (0: not known)

@@ -67,6 +67,9 @@ class StepSummarizer:
                     data_ms=tuple(per_rank[Field.DATA_MS][i]),
                     gap_ms=tuple(per_rank[Field.GAP_MS][i]),
                     buckets=int(buckets[i]),
+                    gc_ms=tuple(per_rank[Field.GC_MS][i]),
+                    gc_collections=tuple(int(v) for v in per_rank[Field.GC_COLLECTIONS][i]),
+                    samples=tuple(int(v) for v in per_rank[Field.SAMPLES][i]),
                 )
             )
         return tuple(out)

@@ -56,8 +56,8 @@ def _cleans(values: Iterable[float]) -> list[float | None]:
 
 
 def step_line(s: StepSummary) -> dict[str, Any]:
-    """The JSON object written for one step."""
-    return {
+    """The JSON object written for one step (the later per-rank fields only where the summary has them)."""
+    line: dict[str, Any] = {
         "record": "step",
         "step": s.step,
         "valid": s.valid,
@@ -82,6 +82,13 @@ def step_line(s: StepSummary) -> dict[str, Any]:
             "gap_ms": _cleans(s.gap_ms),
         },
     }
+    optional = {
+        "gc_ms": _cleans(s.gc_ms),
+        "gc_collections": list(s.gc_collections),
+        "samples": list(s.samples),
+    }
+    line["ranks"].update((key, values) for key, values in optional.items() if values)
+    return line
 
 
 def decision_line(d: Decision, after_step: int) -> dict[str, Any]:
@@ -319,6 +326,8 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "end": {"status": _STR, "steps": _INT},
 }
 _RANK_FIELDS = ("lead_ms", "compute_ms", "wait_ms", "delay_ms", "step_ms", "data_ms", "gap_ms")
+#: per-rank step fields added in later versions: checked when present (older records lack them)
+_OPTIONAL_RANK_FIELDS = ("gc_ms", "gc_collections", "samples")
 _TYPE_WORDS = {int: "an integer", bool: "true or false", str: "a string", dict: "an object", list: "a list"}
 
 
@@ -381,7 +390,7 @@ def _check_line(p: Path, number: int, obj: Any, world_size: int) -> None:
         if not 0 <= obj[key] < world_size:
             raise _bad_line(p, number, f"step field {key!r}={obj[key]} is not a rank of the {world_size}")
     ranks = obj["ranks"]
-    for key in _RANK_FIELDS:
+    for key in _RANK_FIELDS + tuple(k for k in _OPTIONAL_RANK_FIELDS if k in ranks):
         values = ranks.get(key)
         if type(values) is not list or len(values) != world_size or not _are_numbers(values):
             raise _bad_line(
