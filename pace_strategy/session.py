@@ -126,6 +126,8 @@ class PacingSession:
         self._publisher: _Publisher | None = None
         # Summaries are built on the telemetry thread: only rank 0 needs them, decisions do not.
         self._summarizer = StepSummarizer(config.cv_window_steps)
+        self._dataloader_workers: int | None = None
+        self._workers_shared = False
 
     @classmethod
     def start(
@@ -169,12 +171,35 @@ class PacingSession:
         """
         return cls.start(config, group=side_group(config), owns_group=True, **kwargs)
 
+    def note_dataloader_workers(self, workers: int | None) -> None:
+        """Local: a training DataLoader of this rank runs ``workers`` worker processes. The largest
+        count noted before the first step ends is recorded in this rank's placement (the run record's
+        header), where ``pace diagnose`` counts busy threads per host."""
+        if workers is not None and not self._workers_shared:
+            self._dataloader_workers = max(self._dataloader_workers or 0, workers)
+
     def end_step(self) -> WindowResult | None:
-        """Forward the end of a step to the pacer and publish any window that completed."""
+        """Forward the end of a step to the pacer and publish any window that completed.
+
+        Collective on every rank (once per step). The first call also gathers every rank's noted
+        DataLoader workers (adapters learn of their loaders after the session starts)."""
+        if not self._workers_shared:
+            self._share_dataloader_workers()
         result = self.pacer.end_step()
         if result is not None:
             self.publish(result)
         return result
+
+    def _share_dataloader_workers(self) -> None:
+        self._workers_shared = True
+        # One float per rank on the exchange's own path (-1: no DataLoader noted on that rank).
+        local = torch.tensor([[float(-1 if self._dataloader_workers is None else self._dataloader_workers)]])
+        step = self.pacer.steps_seen
+        counts = self.pacer.exchange.gather(local.double(), step, step)[:, 0, 0].tolist()
+        for placement, workers in zip(self.topology, counts, strict=True):
+            placement["dataloader_workers"] = None if workers < 0 else int(workers)
+        if self.record is not None:
+            self.record.update_topology(self.topology)
 
     def publish(self, result: WindowResult) -> None:
         """Rank 0: hand the window to the telemetry thread, which logs every step at its own global

@@ -98,10 +98,13 @@ class DataRecipe:
 
     batch_size: int = 32  #: samples per rank per micro-batch
     seed: int = 1234  #: data seed (the model seed is ``TrainRecipe.seed``)
+    workers: int = 0  #: DataLoader worker processes per rank (0: load in the training process)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             _fail("data.batch_size", self.batch_size, "an integer >= 1")
+        if self.workers < 0:
+            _fail("data.workers", self.workers, "an integer >= 0")
 
 
 @dataclass(frozen=True)
@@ -277,6 +280,7 @@ def run_lightning(
         batch_size=recipe.data.batch_size,
         shuffle=False,
         collate_fn=SlowCollate(data_stragglers),
+        num_workers=recipe.data.workers,
     )
     if recipe.trainer.strategy == "fsdp":
         model: Any = ShardedExampleModule(recipe.model, recipe.fsdp.min_params)
@@ -309,7 +313,10 @@ def run_accelerate(recipe: TrainRecipe) -> int:
     net = build_net(recipe.model)
     optimizer = torch.optim.SGD(net.parameters(), lr=recipe.model.lr)
     loader = DataLoader(
-        make_dataset(recipe, accelerator.num_processes), batch_size=recipe.data.batch_size, shuffle=False
+        make_dataset(recipe, accelerator.num_processes),
+        batch_size=recipe.data.batch_size,
+        shuffle=False,
+        num_workers=recipe.data.workers,
     )
     model, optimizer, loader = accelerator.prepare(net, optimizer, loader)
     pacing = recipe.pacing_config()

@@ -29,7 +29,7 @@ from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.hooks.ddp import CommHook, attach_paced_ddp
 from pace_strategy.integrations.accelerate.env import RUN_DIR_ENV, run_dir_from_env
-from pace_strategy.integrations.data import time_dataloader
+from pace_strategy.integrations.data import loader_workers, time_dataloader
 from pace_strategy.session import MetricsSink, PacingSession
 
 __all__ = [
@@ -210,6 +210,7 @@ class StrategyPacing:
         """Count the time a training loader's iterators block as this rank's data wait (only while
         a session runs: otherwise the loader is left as it is)."""
         if self.session is not None and self._training() is not None:
+            self.session.note_dataloader_workers(loader_workers(dataloader))
             time_dataloader(dataloader, lambda: self.session)
 
     def end_step(self) -> None:

@@ -12,7 +12,14 @@ from torch.utils.data import DataLoader
 
 from pace_strategy.session import PacingSession
 
-__all__ = ["DataWaitHook", "time_dataloader"]
+__all__ = ["DataWaitHook", "loader_workers", "time_dataloader"]
+
+
+def loader_workers(loader: object) -> int | None:
+    """The worker processes of a DataLoader (accelerate's prepared loaders are DataLoaders too), or
+    ``None`` for anything else."""
+    workers = getattr(loader, "num_workers", None) if isinstance(loader, DataLoader) else None
+    return workers if isinstance(workers, int) else None
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from pace_strategy.hooks.ddp import attach_paced_ddp
 from pace_strategy.integrations._lightning_mixins import StrategyRegistry, register_paced_ddp
 from pace_strategy.integrations._lightning_pacing import PacingArg, as_pacing_config
 from pace_strategy.integrations.accelerate.env import RUN_DIR_ENV, run_dir_from_env
-from pace_strategy.integrations.data import time_dataloader
+from pace_strategy.integrations.data import loader_workers, time_dataloader
 from pace_strategy.session import MetricsSink, PacingSession
 
 __all__ = ["FabricPacing", "PacedFabricDDPStrategy", "finish_pacing", "register_fabric_strategies"]
@@ -63,6 +63,7 @@ class FabricPacing:
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.session: PacingSession | None = None  #: ``None`` before setup and without monitoring
         self._model: DistributedDataParallel | None = None
+        self._loader_workers: list[int | None] = []  #: of the loaders set up so far
 
     def attach(self, model: DistributedDataParallel, strategy: DDPStrategy, fabric: Fabric | None) -> None:
         """Start the session (collective on every rank) and monitor ``model``; only the first model
@@ -93,6 +94,8 @@ class FabricPacing:
             local_rank=strategy.local_rank,
         )
         self.session = session
+        for workers in self._loader_workers:
+            session.note_dataloader_workers(workers)
         attach_paced_ddp(model, session.pacer)
         model.register_forward_pre_hook(self._forward)
         _OPEN.add(self)
@@ -130,7 +133,11 @@ class FabricPacing:
         session.pacer.begin_step(session.pacer.steps_seen)
 
     def time_dataloader(self, dataloader: DataLoader[Any]) -> None:
-        """Count the time ``dataloader``'s iterators block, while training, as data wait."""
+        """Count the time ``dataloader``'s iterators block, while training, as data wait, and note
+        its workers for the run record's placements (set up before or after the model)."""
+        self._loader_workers.append(loader_workers(dataloader))
+        if self.session is not None:
+            self.session.note_dataloader_workers(self._loader_workers[-1])
         time_dataloader(dataloader, self._live, on_batch=self._batch_ready)
 
     def end_step(self) -> None:

@@ -140,6 +140,12 @@ class RunRecordWriter:
             header.update(extra)
         self._header: dict[str, Any] | None = header  #: written with the first lines
 
+    def update_topology(self, topology: Sequence[Mapping[str, Any]]) -> None:
+        """Replace the header's placements (only before the file is created: a header once written
+        is not rewritten)."""
+        if self._header is not None:
+            self._header["topology"] = [dict(t) for t in topology]
+
     @property
     def created(self) -> bool:
         """Whether the file exists: something was written to it."""

@@ -67,11 +67,13 @@ def check_straggler(tmp_path: Path, steps: int) -> None:
 
 def test_pace_launch_reads_the_pacing_config_section(tmp_path):
     section = "pacing_config:\n  mode: monitor\n  exchange_every_steps: 8\n"
-    out = launch(tmp_path, PACE, ACCELERATE_CPU_CONFIG.format(kind="MULTI_CPU") + section)
+    out = launch(tmp_path, PACE, ACCELERATE_CPU_CONFIG.format(kind="MULTI_CPU") + section, "data.workers=1")
     assert out.returncode == 0, out.stderr[-3000:]
     check_straggler(tmp_path, 40)
     record = read_run_record(tmp_path / "proj")
     assert record.header["framework"] == "accelerate" and record.header["world_size"] == 2
+    # each rank's prepared loader runs one worker process: recorded for the oversubscription check
+    assert [t["dataloader_workers"] for t in record.header["topology"]] == [1, 1]
     assert record.header["config"]["exchange_every_steps"] == 8 and record.end["status"] == "completed"
 
 

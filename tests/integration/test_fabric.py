@@ -66,6 +66,7 @@ def test_paced_ddp_names_the_slow_rank_in_tensorboard(runs):
     assert 40.0 < statistics.median(scalars["pace/skew_ms"][s] for s in post) < 90.0
     record = read_run_record(paced["log_dir"])  # the first (only) logger's directory
     assert record.header["framework"] == "fabric" and record.header["world_size"] == 2
+    assert [t["dataloader_workers"] for t in record.header["topology"]] == [0, 0]  # set up after the model
     assert record.end["status"] == "completed"
     assert [s["step"] for s in record.steps] == list(range(STEPS))  # synchronizing steps only
     assert all(s["valid"] for s in record.steps)

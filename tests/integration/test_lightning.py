@@ -43,6 +43,7 @@ def test_paced_ddp_telemetry_names_the_injected_straggler(tmp_path):
     assert all(s["valid"] and s["buckets"] == 0 for s in record.steps)
     assert [t["rank"] for t in record.header["topology"]] == [0, 1]
     assert [t["local_rank"] for t in record.header["topology"]] == [0, 1]
+    assert [t["dataloader_workers"] for t in record.header["topology"]] == [0, 0]  # the demo's loader
     # the demo's own summary table
     assert "straggler             rank 1 in" in out.stdout
     assert "pace_run.jsonl" in out.stdout

@@ -33,7 +33,7 @@ from pace_strategy.integrations.accelerate.env import (
     config_from_env,
     run_dir_from_env,
 )
-from pace_strategy.integrations.data import time_dataloader
+from pace_strategy.integrations.data import loader_workers, time_dataloader
 from pace_strategy.session import MetricsSink, PacingSession
 
 __all__ = ["PacingHandle", "attach_pacing", "is_paceable"]
@@ -238,6 +238,7 @@ def _register(
     inner = getattr(optimizer, "optimizer", optimizer)
     undo.append(inner.register_step_post_hook(handle._end).remove)
     for loader in loaders:
+        session.note_dataloader_workers(loader_workers(loader))
         hook = time_dataloader(loader, handle._live_session, on_batch=handle._batch_ready)
         if hook is not None:
             undo.append(hook.remove)
