@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         StepSummary,
         WindowResult,
     )
+    from pace_strategy.data import ShareBatchSampler, share_loss_scale
     from pace_strategy.hooks import (
         GradReadyMonitor,
         PacedHookState,
@@ -72,6 +73,8 @@ _WHERE = {
     "PacedDDPStrategy": "pace_strategy.integrations.lightning",
     "PacedFSDPStrategy": "pace_strategy.integrations.lightning",
     "PacingSession": "pace_strategy.session",
+    "ShareBatchSampler": "pace_strategy.data",
+    "share_loss_scale": "pace_strategy.data",
     "RunRecord": "pace_strategy.telemetry",
     "read_run_record": "pace_strategy.telemetry",
     "summarize": "pace_strategy.telemetry",
@@ -94,6 +97,7 @@ __all__ = [
     "PacingSession",
     "PolicyState",
     "RunRecord",
+    "ShareBatchSampler",
     "StepSummary",
     "WindowResult",
     "__version__",
@@ -104,6 +108,7 @@ __all__ = [
     "read_run_record",
     "register_paced_collectives",
     "register_paced_hook",
+    "share_loss_scale",
     "summarize",
 ]
 

@@ -9,9 +9,11 @@ its first write: a session that saw no training step leaves no file and no direc
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,15 +28,24 @@ from pace_strategy._version import __version__
 from pace_strategy.core.clock import Clock, clock_for_device
 from pace_strategy.core.comm import gather_json
 from pace_strategy.core.config import PacingConfig
+from pace_strategy.core.errors import PaceHangError
+from pace_strategy.core.gc_monitor import GcMonitor
+from pace_strategy.core.gc_sync import GcSync
 from pace_strategy.core.pacer import Pacer, WindowResult
+from pace_strategy.core.state import STATE_VERSION, PacingStateError, StatefulComponent, check_state
 from pace_strategy.core.summary import StepSummarizer
-from pace_strategy.telemetry.run_record import RECORD_FILENAME, RunRecordWriter
+from pace_strategy.core.watchdog import HANG_EXIT_CODE, HangReport, HangWatchdog, job_store
+from pace_strategy.telemetry.run_record import RunRecordWriter, record_filename
 from pace_strategy.telemetry.schema import step_metrics
-from pace_strategy.telemetry.topology import local_placement
+from pace_strategy.telemetry.topology import elastic_restart_count, local_placement
 
 __all__ = ["MetricsSink", "PacingSession", "side_group"]
 
 log = logging.getLogger(__name__)
+
+#: numbers this process's sessions in order: every rank builds the same sessions, so the n-th is the
+#: n-th everywhere (the hang watchdog's store namespace)
+_SESSION_NUMBERS = itertools.count()
 
 #: Receives one step's tags and the step's true global step (e.g. a framework logger's log_metrics).
 MetricsSink = Callable[[Mapping[str, float], int], None]
@@ -111,21 +122,39 @@ class PacingSession:
         self.topology = [dict(placement) for placement in topology]
         self.record: RunRecordWriter | None = None
         self.record_path: Path | None = None
+        #: torchrun's restarts of this job so far: the record says so, and a restarted attempt's
+        #: record gets its own file beside the earlier ones (``record_filename``)
+        self.restart_count = elastic_restart_count()
         if rank == 0 and config.run_record and log_dir is not None:
-            self.record_path = Path(log_dir) / RECORD_FILENAME
+            self.record_path = Path(log_dir) / record_filename(self.restart_count)
             self.record = RunRecordWriter(
                 self.record_path,
                 world_size=world_size,
                 config=config.to_dict(),
                 topology=self.topology,
                 framework=framework,
-                extra={"versions": {"pace_strategy": __version__, "torch": torch.__version__}},
+                extra={
+                    "versions": {"pace_strategy": __version__, "torch": torch.__version__},
+                    "restart_count": self.restart_count,
+                },
             )
         self._finished = False
+        # Every rank times its own collections (a callback per collection, nothing per step); with
+        # gc_sync the Pacer also collects at agreed steps. Both are undone in _close, whatever ends the run.
+        self.gc_monitor = GcMonitor(self.pacer.add_gc)
+        self.gc_monitor.install()
+        if config.gc_sync:
+            self.pacer.gc_sync = GcSync(config)
+        self._gc_ranks: list[dict[str, Any]] | None = None  #: every rank's GC report, gathered at finish
+        self.watchdog = self._start_watchdog()
         self.publish_ns = 0  #: rank 0: telemetry-thread time spent writing tags and the run record
         self._publisher: _Publisher | None = None
         # Summaries are built on the telemetry thread: only rank 0 needs them, decisions do not.
         self._summarizer = StepSummarizer(config.cv_window_steps)
+        #: what state_dict() saves, by name (the extension point: see register_state)
+        self._state_components: dict[str, StatefulComponent] = {"pacer": self.pacer}
+        self._unclaimed_state: dict[str, Any] = {}  # restored states whose component is not registered yet
+        self._resume_line: dict[str, Any] | None = None  #: the record's ``resume`` line, once restored
         self._dataloader_workers: int | None = None
         self._workers_shared = False
 
@@ -182,7 +211,10 @@ class PacingSession:
         """Forward the end of a step to the pacer and publish any window that completed.
 
         Collective on every rank (once per step). The first call also gathers every rank's noted
-        DataLoader workers (adapters learn of their loaders after the session starts)."""
+        DataLoader workers (adapters learn of their loaders after the session starts). Nothing
+        once the session is closed (a preempted run may still finish the step in progress)."""
+        if self._finished:
+            return None
         if not self._workers_shared:
             self._share_dataloader_workers()
         result = self.pacer.end_step()
@@ -232,9 +264,12 @@ class PacingSession:
         summaries = self._summarizer.summarize(result.gathered)
         if self.metrics_sink is not None:
             for summary in summaries:
-                self.metrics_sink(step_metrics(summary, self.config.per_rank_tag_limit), summary.step)
+                metrics = step_metrics(
+                    summary, self.config.per_rank_tag_limit, batch_shares=self.config.rebalance
+                )
+                self.metrics_sink(metrics, summary.step)
         if self.record is not None:
-            self.record.write_window(summaries, result.decision)
+            self.record.write_window(summaries, result.decision, result.rebalance)
 
     def finish(self) -> None:
         """Normal end of training (collective: every rank calls it): exchange and publish what is left."""
@@ -244,6 +279,10 @@ class PacingSession:
         try:
             for result in self.pacer.flush():
                 self.publish(result)
+            # Every rank's GC totals for the end line (collective, like the flush before it).
+            self._gc_ranks = gather_json(
+                self._group, self.rank, self.world_size, self.gc_report(), self.config.exchange_timeout_s
+            )
         except BaseException as error:
             self._close("failed", error)
             raise
@@ -253,6 +292,118 @@ class PacingSession:
             # peers are alive, rather than in an interpreter-exit destructor.
             dist.destroy_process_group(self._group)
         self._group = None
+
+    # ------------------------------------------------------------------ checkpoint state
+    def register_state(self, name: str, component: StatefulComponent) -> None:
+        """Checkpoint ``component`` under ``name`` too (the extension point for later components, e.g.
+        rebalancing shares and the sampler position). Its ``state_dict()`` must be plain JSON-able data,
+        identical on every rank. A state restored before the component was registered is loaded now."""
+        if name in self._state_components:
+            raise ValueError(f"a state component named {name!r} is already registered")
+        self._state_components[name] = component
+        if name in self._unclaimed_state:
+            self._load_component(name, self._unclaimed_state.pop(name))
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """The checkpointable pacing state after ``step`` global steps: plain JSON-able data, the
+        same on every rank (local: no collective). Layout: :mod:`pace_strategy.core.state`."""
+        return {
+            "version": STATE_VERSION,
+            "step": step,
+            "world_size": self.world_size,
+            "components": {name: c.state_dict() for name, c in self._state_components.items()},
+        }
+
+    def load_state_dict(
+        self, state: Mapping[str, Any] | None, *, source: str | None = None, step: int | None = None
+    ) -> list[str]:
+        """Resume: restore what :meth:`state_dict` saved (local: every rank loads the same checkpoint).
+
+        Never fails a resume: a state that cannot be restored (newer version, other world size,
+        damaged) is skipped with a warning and the controller starts fresh; ``None`` (a checkpoint
+        written without pace_strategy) restores nothing. Either way the run record gets a ``resume``
+        line right after its header: ``step`` (the state's, else ``step``), the components
+        ``restored`` and ``from`` (``source``, the checkpoint's path where the adapter knows it).
+        Returns the names restored.
+        """
+        restored: list[str] = []
+        skipped: dict[str, str] = {}
+        saved_step = state.get("step") if isinstance(state, Mapping) else None
+        # One resume line per record: a second restore before the first write replaces the first.
+        first = self._resume_line is None or (self.record is not None and self.record.created)
+        line = {} if self._resume_line is None else self._resume_line
+        line.clear()
+        line.update(
+            record="resume",
+            step=saved_step if type(saved_step) is int else (-1 if step is None else step),
+            restored=restored,
+        )
+        line["from"] = source
+        line["skipped"] = skipped
+        self._resume_line = line
+        try:
+            s = check_state(state, "the checkpoint's pace_strategy state", {"step": int, "components": dict})
+        except PacingStateError as error:
+            if state is not None:
+                skipped["*"] = str(error)
+                log.warning("pace_strategy: nothing restored from %s: %s", source or "the checkpoint", error)
+        else:
+            for name, component_state in s["components"].items():
+                if name in self._state_components:
+                    self._load_component(name, component_state)
+                else:
+                    self._unclaimed_state[name] = component_state
+        if self.record is not None and first:
+            self.record.add_after_header(line)
+        if self.rank == 0:
+            log.info(
+                "pace_strategy: resumed at step %d from %s; restored: %s",
+                line["step"],
+                source or "a checkpoint",
+                ", ".join(restored) or "nothing (no pace_strategy state in it)",
+            )
+        return restored
+
+    def _load_component(self, name: str, state: Any) -> None:
+        line = self._resume_line
+        assert line is not None, "components load from a restored state"
+        try:
+            self._state_components[name].load_state_dict(state)
+        except PacingStateError as error:
+            line["skipped"][name] = str(error)
+            log.warning("pace_strategy: %s not restored: %s", name, error)
+        else:
+            line["restored"].append(name)
+
+    # ------------------------------------------------------------------ ending a run
+    def terminate(self, reason: str = "SIGTERM") -> None:
+        """The job is being stopped (SIGTERM, a scheduler's preemption): close the run record with
+        status ``terminated``, without any collective (the peers are stopping too, or gone); idempotent.
+
+        Rank 0 keeps every step it can account for alone: the windows already handed to the telemetry
+        thread, the window in flight if its exchange has completed, and, as ``local_step`` lines, its
+        own measurements of the steps that were never exchanged (the other ranks' are lost).
+        """
+        if self._finished:
+            return
+        self._finished = True
+        local = None
+        if self.record is not None:
+            try:
+                results, local = self.pacer.drain_local()
+                for result in results:
+                    self.publish(result)
+            except Exception:  # a signal may land anywhere in the pacer: never block the exit on it
+                log.exception("pace_strategy: could not account for the last steps at termination")
+        self._close("terminated", None, reason=reason, local_rows=local)
+        log.warning(
+            "[rank %d/%d] pace_strategy: %s after %d steps: pacing stopped%s",
+            self.rank,
+            self.world_size,
+            reason,
+            self.pacer.steps_seen,
+            f"; run record closed as terminated at {self.record_path}" if self.record_created else "",
+        )
 
     def close(self, status: str = "completed") -> None:
         """Close locally without the final exchange (the run ended without ``finish``); idempotent."""
@@ -286,10 +437,92 @@ class PacingSession:
             f"; run record kept at {self.record_path}" if self.record_created else "",
         )
 
-    def _close(self, status: str, error: BaseException | None) -> None:
+    def _start_watchdog(self) -> HangWatchdog | None:
+        """The hang watchdog on the job's store (none for one rank, ``hang_timeout_s=0`` or no store).
+
+        Its keys live under a namespace that every rank computes alike and that no earlier session
+        or attempt of the job used: the restart count and this process's session number."""
+        store = job_store() if self.world_size > 1 and self.config.hang_timeout_s > 0 else None
+        if store is None:
+            return None
+        watchdog = HangWatchdog(
+            store,
+            f"pace_strategy/watchdog/{self.restart_count}/{next(_SESSION_NUMBERS)}",
+            rank=self.rank,
+            world_size=self.world_size,
+            hosts=[str(p.get("host", "?")) for p in self.topology],
+            hang_timeout_s=self.config.hang_timeout_s,
+            progress=lambda: (self.pacer.progress, self.pacer.progress_step),
+            on_hang=self._on_hang,
+        )
+        watchdog.start()
+        return watchdog
+
+    def _on_hang(self, report: HangReport) -> None:
+        """Watchdog thread, once ranks are named: rank 0 records the hang; with ``hang_action="abort"``
+        the record is closed (status ``hung``) and the process exits, since a thread cannot raise
+        into a training thread blocked in a C++ collective."""
+        try:
+            if self.record is not None:
+                self.record.write_line(report.line(self.config.hang_action))
+        except Exception:  # the disk: the verdict is logged anyway, and the abort must still happen
+            log.exception("pace_strategy: could not write the hang line to %s", self.record_path)
+        if self.config.hang_action != "abort":
+            return
+        try:
+            text = "; ".join(report.sentences())
+            error = PaceHangError(self.rank, self.world_size, f"{text}; aborted (hang_action='abort')")
+            watchdog = self.watchdog
+            if not self._finished:
+                self._finished = True
+                self._close("hung", error)
+            if watchdog is not None:
+                watchdog.wait_for_verdicts(report)  # leave together: see HangWatchdog.wait_for_verdicts
+            log.error(
+                "[rank %d/%d] pace_strategy: aborting the process (exit code %d) so that the launcher "
+                "can restart the job%s",
+                self.rank,
+                self.world_size,
+                HANG_EXIT_CODE,
+                f"; run record kept at {self.record_path}" if self.record_created else "",
+            )
+        finally:
+            logging.shutdown()  # flush every handler: nothing runs after os._exit
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(HANG_EXIT_CODE)
+
+    def gc_report(self) -> dict[str, Any]:
+        """This rank's garbage-collector totals since the session started (and what gc_sync did)."""
+        sync = self.pacer.gc_sync
+        return {
+            "rank": self.rank,
+            **self.gc_monitor.summary(),
+            "gc_sync": sync.summary() if sync is not None else None,
+        }
+
+    def _release_collector(self) -> None:
+        """Remove the GC callbacks and give the collector its settings back (every way a run ends)."""
+        self.gc_monitor.remove()
+        if self.pacer.gc_sync is not None:
+            self.pacer.gc_sync.restore()
+
+    def _close(
+        self,
+        status: str,
+        error: BaseException | None,
+        *,
+        reason: str | None = None,
+        local_rows: torch.Tensor | None = None,
+    ) -> None:
+        self._release_collector()
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
         if self._publisher is not None:
             # Drain what was already handed over (bounded: a wedged sink must not hang shutdown).
-            self._publisher.close(timeout_s=self.config.exchange_timeout_s if error is None else 10.0)
+            normal = error is None and reason is None
+            self._publisher.close(timeout_s=self.config.exchange_timeout_s if normal else 10.0)
             self._publisher = None
         if self.record is not None:
             steps = max(self.pacer.steps_seen, 1)
@@ -300,10 +533,17 @@ class PacingSession:
                 "flush_ms": self.pacer.flush_ns / 1e6,
                 "telemetry_thread_us_per_step": self.publish_ns / 1e3 / steps,
             }
-            message = None if error is None else f"{type(error).__name__}: {error}"
+            message = reason if error is None else f"{type(error).__name__}: {error}"
+            if local_rows is not None and len(local_rows) > 0:
+                self.record.write_local_steps(self.rank, local_rows.tolist())
             # A run that never stepped (set up, then stopped or failed) leaves no record behind.
+            # "gc": one report per rank after a normal finish, else rank 0's alone
+            gc_ranks = self._gc_ranks if self._gc_ranks is not None else [self.gc_report()]
             self.record.close(
-                status, message, extra={"rank0_pacer_cost": cost}, create=self.pacer.steps_seen > 0
+                status,
+                message,
+                extra={"rank0_pacer_cost": cost, "gc": gc_ranks},
+                create=self.pacer.steps_seen > 0,
             )
 
 

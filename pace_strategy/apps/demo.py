@@ -4,7 +4,9 @@ Run it as ``pace demo`` (or ``python -m pace_strategy.apps.demo``). It is the bu
 :mod:`pace_strategy.apps.recipes` plus the command line's overrides: each rank trains the example MLP
 on seeded random data; ``--compute-ms`` adds a sleep to every step to stand in for accelerator time
 (it keeps the two CPUs of a small machine from being the bottleneck); ``--straggler RANK:MS`` slows one
-rank down.
+rank down. ``--scenario NAME`` starts from a preset of these options (:data:`SCENARIOS`; options
+given on the command line still win): ``slow-device`` is one rank twice as slow per sample with
+rebalancing on, and reports the shares and samples/s before and after.
 """
 
 from __future__ import annotations
@@ -26,9 +28,26 @@ from pace_strategy.apps.recipes import (
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.settings import build, load_mapping
-from pace_strategy.testing import Straggler, parse_stragglers
+from pace_strategy.testing import Straggler, parse_slow_devices, parse_stragglers
 
-__all__ = ["build_parser", "demo_recipe", "main"]
+__all__ = ["SCENARIOS", "build_parser", "demo_recipe", "main", "parse_args"]
+
+#: ``--scenario`` presets: option defaults (dest -> value) that the command line overrides.
+SCENARIOS: dict[str, dict[str, Any]] = {
+    # Every rank's emulated compute scales with its samples (1 ms each, plus 2 ms per step); rank 1
+    # takes twice as long per sample. Rebalancing, exchanging every 8 steps so that it decides within
+    # the run, should move samples off rank 1 and raise samples/s (docs/rebalancing.md).
+    "slow-device": {
+        "devices": 2,
+        "steps": 200,
+        "straggler": "",
+        "compute_ms": 2.0,
+        "sample_ms": 1.0,
+        "slow_device": "1:2",
+        "name": "slow-device",
+        "pacing": ["rebalance=true", "exchange_every_steps=8"],
+    },
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,12 +72,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--data-delay", default="", metavar="RANK:MS[:PROB]", help="slow data loader on one rank")
     p.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default=None,
+        help="start from a preset (slow-device: one rank 2x slower per sample, rebalancing on)",
+    )
+    p.add_argument(
+        "--sample-ms", type=float, default=0.0, help="emulated accelerator time per sample (sleep)"
+    )
+    p.add_argument(
+        "--slow-device",
+        default="",
+        metavar="RANK:FACTOR",
+        help="RANK takes FACTOR times --sample-ms per sample (a slow device; rebalancing's case)",
+    )
+    p.add_argument(
         "--compute-ms", type=float, default=20.0, help="emulated accelerator time per step (sleep)"
     )
     p.add_argument(
         "--strategy",
         default="paced_ddp",
         help="paced_ddp, paced_ddp_spawn, paced_fsdp, or the baselines ddp, fsdp; default paced_ddp",
+    )
+    p.add_argument(
+        "--gc-heap-objects", type=int, default=0, help="long-lived objects per rank (a GC-heavy job)"
+    )
+    p.add_argument(
+        "--gc-garbage-objects",
+        type=int,
+        default=0,
+        help="cyclic garbage objects per step per rank, on average (a GC-heavy job)",
     )
     p.add_argument("--root", default="runs/demo", help="directory for TensorBoard logs and the run record")
     p.add_argument("--name", default="demo", help="experiment name under --root")
@@ -93,7 +136,14 @@ def demo_recipe(args: argparse.Namespace) -> TrainRecipe:
             "strategy": args.strategy,
             "max_steps": args.steps,
         },
-        "model": {"width": args.hidden, "depth": 2, "compute_ms": args.compute_ms},
+        "model": {
+            "width": args.hidden,
+            "depth": 2,
+            "compute_ms": args.compute_ms,
+            "sample_ms": args.sample_ms,
+            "gc_heap_objects": args.gc_heap_objects,
+            "gc_garbage_objects": args.gc_garbage_objects,
+        },
         "data": {"batch_size": args.batch_size},
         "output": {"root": args.root, "name": args.name, "save_weights": args.save_weights},
         "pacing": pacing,
@@ -112,7 +162,7 @@ def _stragglers(args: argparse.Namespace) -> list[Straggler]:
         for node in range(args.num_nodes):
             rank = node * args.devices + s.rank
             stragglers.append(Straggler(rank=rank, delay_ms=s.delay_ms, probability=s.probability))
-    return stragglers
+    return stragglers + parse_slow_devices(args.slow_device, args.sample_ms)
 
 
 def _callbacks(args: argparse.Namespace) -> list[Any]:
@@ -127,8 +177,18 @@ def _callbacks(args: argparse.Namespace) -> list[Any]:
     return callbacks
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, over the ``--scenario`` preset when one is named."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.scenario is not None:
+        parser.set_defaults(**SCENARIOS[args.scenario])
+        args = parser.parse_args(argv)
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         recipe = demo_recipe(args)
         stragglers = _stragglers(args)
@@ -157,6 +217,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     leave_without_finalization(0)
 
 
+def recipe_rebalances(args: argparse.Namespace) -> bool:
+    """Whether the demo's pacing turns rebalancing on."""
+    return bool(PacingConfig.from_dict(load_mapping(None, args.pacing)).rebalance)
+
+
 def _report(args: argparse.Namespace, trainer: Any, elapsed_s: float) -> None:
     """Rank 0: the summary, the diagnosis and where the logs are."""
     from pace_strategy.telemetry.run_record import RECORD_FILENAME, read_run_record, summarize
@@ -178,6 +243,11 @@ def _report(args: argparse.Namespace, trainer: Any, elapsed_s: float) -> None:
         report = render_report(arrays, diagnosis, log_dir / "pace_report", DiagnosisConfig())
         print(f"\n  diagnosis: {diagnosis.summary}")
         print(f"  report            {report['html']}")
+    if record_path.exists() and recipe_rebalances(args):
+        from pace_strategy.data.phases import describe_phases, share_phases
+
+        print("\n  rebalancing (per-rank samples per step, as trained):")
+        print("\n".join(describe_phases(share_phases(read_run_record(record_path).steps))))
     print(f"\n  TensorBoard logs  {log_dir}   (tensorboard --logdir {args.root})")
     if record_path.exists():
         print(f"  run record        {record_path}   (pace diagnose {log_dir})")

@@ -8,7 +8,9 @@ progress line every app prints. The Lightning pieces (module, callbacks) are in
 
 from __future__ import annotations
 
+import random
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +23,11 @@ from pace_strategy.testing import Straggler, sleep_injected
 if TYPE_CHECKING:
     from pace_strategy.apps.recipes import ModelRecipe, TrainRecipe
 
-__all__ = ["ProgressLine", "SlowCollate", "build_net", "make_dataset"]
+__all__ = ["GcLoad", "ProgressLine", "SlowCollate", "build_net", "make_dataset"]
+
+#: steps a batch of the GC load's cyclic garbage stays referenced: long enough to survive two young
+#: collections into the old generation, where only a full collection frees it
+GC_GARBAGE_LIFETIME_STEPS = 3
 
 
 def build_net(model: ModelRecipe) -> nn.Sequential:
@@ -60,6 +66,33 @@ class SlowCollate:
             sleep_injected(self.stragglers, rank, self.calls)
         self.calls += 1
         return default_collate(items)
+
+
+class GcLoad:
+    """Makes the example job garbage-collector heavy, as a Python-heavy training loop is: a long-lived
+    heap (``heap_objects`` small lists: think tokenizer tables, dataset indexes, module trees) and,
+    every step, cyclic garbage that stays referenced for a few steps. The amount per step varies per
+    rank (uniform 0.5-1.5 x ``garbage_objects``, seeded by rank), as per-rank data does, so each
+    rank's collector reaches its full collections at its own steps."""
+
+    def __init__(self, heap_objects: int, garbage_objects: int, rank: int, seed: int = 0) -> None:
+        self.heap = [[i] for i in range(heap_objects)]
+        self.garbage_objects = garbage_objects
+        self._alive: deque[list[object]] = deque(maxlen=GC_GARBAGE_LIFETIME_STEPS)
+        self._rng = random.Random(seed * 1_000_003 + rank)
+
+    def step(self) -> None:
+        """One step's garbage: ``garbage_objects`` (on average) self-referencing lists."""
+        if self.garbage_objects <= 0:
+            return
+        count = int(self.garbage_objects * self._rng.uniform(0.5, 1.5))
+        batch: list[object] = []
+        for _ in range(count):
+            cycle: list[object] = []
+            cycle.append(cycle)
+            batch.append(cycle)
+        batch.append(batch)
+        self._alive.append(batch)  # the batch it pushes out becomes cyclic garbage
 
 
 class ProgressLine:

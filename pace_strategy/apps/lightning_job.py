@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from pace_strategy.apps.job import ProgressLine, build_net
+from pace_strategy.apps.job import GcLoad, ProgressLine, build_net
 
 if TYPE_CHECKING:
     from pace_strategy.apps.recipes import ModelRecipe
@@ -41,19 +41,31 @@ QUIET_TRAINER: dict[str, Any] = {
 
 
 class ExampleModule(L.LightningModule):
-    """The MLP with SGD; each training step first sleeps ``compute_ms`` (stands in for accelerator time,
-    so that two CPUs are not the bottleneck of a multi-rank run)."""
+    """The MLP with SGD; each training step first sleeps ``compute_ms`` plus ``sample_ms`` per sample of
+    its batch (stands in for accelerator time, so that two CPUs are not the bottleneck of a multi-rank
+    run)."""
 
     def __init__(self, model: ModelRecipe) -> None:
         super().__init__()
         self.recipe = model
         self.net = build_net(model)
+        self.gc_load: GcLoad | None = None
+
+    @override
+    def on_train_start(self) -> None:
+        # per rank, once the rank is known; after the strategy's setup, as a real job's heap would be
+        if self.recipe.gc_heap_objects or self.recipe.gc_garbage_objects:
+            recipe = self.recipe
+            self.gc_load = GcLoad(recipe.gc_heap_objects, recipe.gc_garbage_objects, self.global_rank)
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        if self.recipe.compute_ms > 0:
-            time.sleep(self.recipe.compute_ms / 1e3)
+        compute_ms = self.recipe.compute_ms + self.recipe.sample_ms * len(x)
+        if compute_ms > 0:
+            time.sleep(compute_ms / 1e3)
+        if self.gc_load is not None:
+            self.gc_load.step()
         return nn.functional.cross_entropy(self.net(x), y)
 
     @override

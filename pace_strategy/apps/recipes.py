@@ -80,6 +80,11 @@ class ModelRecipe:
     classes: int = 10  #: output classes
     lr: float = 0.05  #: SGD learning rate
     compute_ms: float = 10.0  #: sleep per micro-batch standing in for accelerator time (0 on a real GPU)
+    #: sleep per sample of the micro-batch, on top of ``compute_ms``: emulated accelerator time that
+    #: scales with the batch (what rebalancing can shorten)
+    sample_ms: float = 0.0
+    gc_heap_objects: int = 0  #: long-lived objects each rank holds (``GcLoad``; 0: none)
+    gc_garbage_objects: int = 0  #: cyclic garbage objects per micro-batch, on average (``GcLoad``; 0: none)
 
     def __post_init__(self) -> None:
         for name in ("inputs", "width", "depth", "classes"):
@@ -90,6 +95,12 @@ class ModelRecipe:
             _fail("model.lr", self.lr, "a learning rate > 0")
         if self.compute_ms < 0:
             _fail("model.compute_ms", self.compute_ms, "milliseconds >= 0")
+        if self.sample_ms < 0:
+            _fail("model.sample_ms", self.sample_ms, "milliseconds per sample >= 0")
+        for name in ("gc_heap_objects", "gc_garbage_objects"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                _fail(f"model.{name}", value, "an integer >= 0")
 
 
 @dataclass(frozen=True)
@@ -296,7 +307,7 @@ def run_accelerate(recipe: TrainRecipe) -> int:
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
-    from pace_strategy.apps.job import ProgressLine, build_net, make_dataset
+    from pace_strategy.apps.job import GcLoad, ProgressLine, build_net, make_dataset
     from pace_strategy.integrations.accelerate import attach_pacing
     from pace_strategy.testing import sleep_injected
 
@@ -329,12 +340,14 @@ def run_accelerate(recipe: TrainRecipe) -> int:
     stragglers = [injection] if injection is not None else []
     compute_s = recipe.model.compute_ms / 1e3
     rank, step = accelerator.process_index, 0
+    gc_load = GcLoad(recipe.model.gc_heap_objects, recipe.model.gc_garbage_objects, rank, recipe.seed)
     progress = ProgressLine(recipe.trainer.max_steps, quiet=not accelerator.is_main_process)
     for x, y in loader:
         with accelerator.accumulate(model):
             sleep_injected(stragglers, rank, step)
             if compute_s > 0:
                 time.sleep(compute_s)
+            gc_load.step()
             loss = torch.nn.functional.cross_entropy(model(x), y)
             accelerator.backward(loss)
             optimizer.step()

@@ -15,7 +15,14 @@ if TYPE_CHECKING:
     from pace_strategy.core.clock import Clock, CudaEventClock, HostClock, ManualClock, clock_for_device
     from pace_strategy.core.comm import WindowExchange, gather_json
     from pace_strategy.core.config import DDPMonitor, PacingConfig, PacingMode
-    from pace_strategy.core.errors import PaceDistributedError, PaceTimeoutError, PacingConfigError
+    from pace_strategy.core.errors import (
+        PaceDistributedError,
+        PaceHangError,
+        PaceTimeoutError,
+        PacingConfigError,
+    )
+    from pace_strategy.core.gc_monitor import GcMonitor
+    from pace_strategy.core.gc_sync import GcSync
     from pace_strategy.core.glossary import (
         coefficient_of_variation,
         lead_ms,
@@ -25,7 +32,8 @@ if TYPE_CHECKING:
     )
     from pace_strategy.core.pacer import Pacer, WindowResult
     from pace_strategy.core.policy import PacingPolicy
-    from pace_strategy.core.records import Decision, Field, PolicyState, StepSummary
+    from pace_strategy.core.rebalance import RebalanceDecision, RebalancePolicy, RebalanceState
+    from pace_strategy.core.records import Decision, Field, GcCollect, PolicyState, StepSummary
     from pace_strategy.core.skew import WindowStats, pacable_lead, window_stats
     from pace_strategy.core.summary import StepSummarizer
 
@@ -33,11 +41,14 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "clock": ("Clock", "CudaEventClock", "HostClock", "ManualClock", "clock_for_device"),
     "comm": ("WindowExchange", "gather_json"),
     "config": ("DDPMonitor", "PacingConfig", "PacingMode"),
-    "errors": ("PaceDistributedError", "PaceTimeoutError", "PacingConfigError"),
+    "errors": ("PaceDistributedError", "PaceHangError", "PaceTimeoutError", "PacingConfigError"),
+    "gc_monitor": ("GcMonitor",),
+    "gc_sync": ("GcSync",),
     "glossary": ("coefficient_of_variation", "lead_ms", "skew_ms", "straggler_rank", "transfer_ms"),
     "pacer": ("Pacer", "WindowResult"),
     "policy": ("PacingPolicy",),
-    "records": ("Decision", "Field", "PolicyState", "StepSummary"),
+    "rebalance": ("RebalanceDecision", "RebalancePolicy", "RebalanceState"),
+    "records": ("Decision", "Field", "GcCollect", "PolicyState", "StepSummary"),
     "skew": ("WindowStats", "pacable_lead", "window_stats"),
     "summary": ("StepSummarizer",),
 }
@@ -49,9 +60,13 @@ __all__ = [
     "DDPMonitor",
     "Decision",
     "Field",
+    "GcCollect",
+    "GcMonitor",
+    "GcSync",
     "HostClock",
     "ManualClock",
     "PaceDistributedError",
+    "PaceHangError",
     "PaceTimeoutError",
     "Pacer",
     "PacingConfig",
@@ -59,6 +74,9 @@ __all__ = [
     "PacingMode",
     "PacingPolicy",
     "PolicyState",
+    "RebalanceDecision",
+    "RebalancePolicy",
+    "RebalanceState",
     "StepSummarizer",
     "StepSummary",
     "WindowExchange",

@@ -11,12 +11,14 @@ from typing import Any, Literal, get_args
 
 from pace_strategy.core.errors import PacingConfigError
 
-__all__ = ["DDPMonitor", "PacingConfig", "PacingMode", "check_known_keys", "doc"]
+__all__ = ["DDPMonitor", "HangAction", "PacingConfig", "PacingMode", "check_known_keys", "doc"]
 
 PacingMode = Literal["adaptive", "monitor", "forced"]
 _MODES: tuple[str, ...] = get_args(PacingMode)
 DDPMonitor = Literal["grad_ready", "comm_hook"]
 _DDP_MONITORS: tuple[str, ...] = get_args(DDPMonitor)
+HangAction = Literal["abort", "log"]
+_HANG_ACTIONS: tuple[str, ...] = get_args(HangAction)
 
 
 def doc(text: str) -> dict[str, str]:
@@ -201,6 +203,27 @@ class PacingConfig:
             step (a dead or hung peer must not hang training forever)."""
         ),
     )
+    hang_timeout_s: float = field(
+        default=120.0,
+        metadata=doc(
+            """Seconds a rank's own step may stand still before its watchdog reads every rank's progress
+            from the job's c10d store and names the ranks that stopped arriving (behind the others, or
+            with a stopped heartbeat), long before the process-group timeout (30 min by default) that
+            DDP's stuck collective would otherwise wait out. 0 disables the watchdog. Pauses that every
+            rank takes together (validation, checkpointing) never trigger it; a single rank pausing
+            alone longer than this while its peers wait in a collective does (docs/reliability.md)."""
+        ),
+    )
+    hang_action: HangAction = field(
+        default="abort",
+        metadata=doc(
+            """What a rank does once its watchdog has named hung ranks (after logging them and, on rank
+            0, writing a ``hang`` line to the run record). ``"abort"``: close the run record with status
+            ``hung`` and exit the process with code 75 so that the launcher can restart the job.
+            ``"log"``: only log and record; training keeps waiting (for the process-group timeout, or
+            for the rank to come back)."""
+        ),
+    )
     straggler_warn_fraction: float = field(
         default=0.8,
         metadata=doc(
@@ -215,6 +238,96 @@ class PacingConfig:
         default=True,
         metadata=doc(
             "Rank 0 writes the full per-rank, per-step run record (JSON lines) to the log directory."
+        ),
+    )
+    rebalance: bool = field(
+        default=False,
+        metadata=doc(
+            """Rebalancing: give a persistently slow rank fewer samples of a constant global batch (and
+            the fast ranks more), from each rank's per-sample compute time in the exchanged windows
+            (compute time over samples: wait, start gaps and data waits are not counted). A new split
+            is kept only while an A/B check shows the step shorter by more than the run's own noise.
+            Needs an integration that attaches a share schedule (docs/rebalancing.md); works beside
+            pacing and with ``mode="monitor"``."""
+        ),
+    )
+    rebalance_quantum: int = field(
+        default=8,
+        metadata=doc(
+            """Shares are whole multiples of this many samples (any remainder of the global batch goes to
+            the fastest rank), and every rank keeps at least one quantum. Larger quanta keep batch
+            shapes few (each new shape may cost a recompilation or an allocator warm-up on GPUs)."""
+        ),
+    )
+    rebalance_min_imbalance: float = field(
+        default=0.05,
+        metadata=doc(
+            """A new split is proposed only if it is predicted to shorten the step by at least this
+            fraction of the median step time: the slowest rank's compute now against the slowest
+            predicted compute after the split (per-sample time x new share)."""
+        ),
+    )
+    rebalance_persist_windows: int = field(
+        default=3,
+        metadata=doc(
+            """Consecutive windows the imbalance must persist before a new split is tried (hysteresis;
+            the split comes from the median per-sample times of those windows)."""
+        ),
+    )
+    rebalance_min_scaling: float = field(
+        default=0.5,
+        metadata=doc(
+            """A split is kept only if the compute of the ranks whose share fell dropped by at least
+            this fraction of what their per-sample time predicted; less means the slowness is a fixed
+            per-step cost that does not scale with samples, and the split is reverted."""
+        ),
+    )
+    rebalance_cooldown_windows: int = field(
+        default=16,
+        metadata=doc(
+            """Windows at the previous split after a reverted trial before another split may be tried;
+            grows by ``cooldown_growth`` for each further reverted trial in a row, up to
+            ``max_cooldown_windows`` (or this start, if larger). The trial itself lasts
+            ``ab_windows`` windows and is judged with pacing's A/B rule (``min_gain_fraction``,
+            ``ab_noise_factor``)."""
+        ),
+    )
+    gc_sync: bool = field(
+        default=False,
+        metadata=doc(
+            """Synchronized garbage collection. After ``gc_sync_warmup_steps`` the collector no longer
+            runs full (oldest-generation) collections by itself; all ranks run one at the same agreed
+            step instead, decided from the exchanged windows when any rank's collector would have run
+            one, so W ranks' pauses overlap instead of adding up. Young collections stay automatic.
+            The collector's settings are restored at the end of training and on failure
+            (docs/diagnosis.md, ``gc_pauses``)."""
+        ),
+    )
+    gc_sync_warmup_steps: int = field(
+        default=5,
+        metadata=doc(
+            """Steps of normal collection before ``gc_sync`` takes over (start-up builds the long-lived
+            heap: model, optimizer state, data loader)."""
+        ),
+    )
+    gc_sync_due_fraction: float = field(
+        default=1.0,
+        metadata=doc(
+            """A synchronized collection is decided when some rank's due fraction (its progress towards
+            the full collection CPython's own rule would start: young collections since the last full
+            one over the third threshold, and objects promoted since then over a quarter of the
+            long-lived heap) reaches this value. 1.0: when the automatic collector would have run; lower
+            collects earlier and more often (less garbage held), higher later."""
+        ),
+    )
+    gc_sync_freeze: bool = field(
+        default=False,
+        metadata=doc(
+            """At the take-over, run one full collection on every rank, then move the surviving heap
+            to the permanent generation (``gc.freeze()``): later full collections skip it and become
+            short. Trade-off:
+            frozen objects are never collected, so garbage cycles among them leak until the end of
+            training (when they are unfrozen)."""
         ),
     )
 
@@ -246,9 +359,24 @@ class PacingConfig:
         _number(self, "min_gain_fraction", low=0.0, high=1.0)
         _number(self, "ab_noise_factor", low=0.0)
         _number(self, "exchange_timeout_s", low=0.0, low_open=True)
+        _number(self, "hang_timeout_s", low=0.0)
+        if self.hang_action not in _HANG_ACTIONS:
+            _fail("hang_action", self.hang_action, f"one of {', '.join(repr(a) for a in _HANG_ACTIONS)}")
         _number(self, "straggler_warn_interval_s", low=0.0)
         if not isinstance(self.run_record, bool):
             _fail("run_record", self.run_record, "true or false")
+        if not isinstance(self.rebalance, bool):
+            _fail("rebalance", self.rebalance, "true or false")
+        _positive_int(self, "rebalance_quantum")
+        _number(self, "rebalance_min_imbalance", low=0.0, high=1.0, low_open=True)
+        _positive_int(self, "rebalance_persist_windows")
+        _number(self, "rebalance_min_scaling", low=0.0, high=1.0, low_open=True)
+        _positive_int(self, "rebalance_cooldown_windows", minimum=0)
+        for name in ("gc_sync", "gc_sync_freeze"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "true or false")
+        _positive_int(self, "gc_sync_warmup_steps", minimum=0)
+        _number(self, "gc_sync_due_fraction", low=0.0, low_open=True)
         if self.deactivate_skew_fraction > self.activate_skew_fraction:
             raise PacingConfigError(
                 f"PacingConfig.deactivate_skew_fraction={self.deactivate_skew_fraction!r} is larger than "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PaceDistributedError", "PaceTimeoutError", "PacingConfigError"]
+__all__ = ["PaceDistributedError", "PaceHangError", "PaceTimeoutError", "PacingConfigError"]
 
 
 class PacingConfigError(ValueError):
@@ -26,3 +26,7 @@ class PaceDistributedError(RuntimeError):
 
 class PaceTimeoutError(PaceDistributedError):
     """A collective issued by pace_strategy did not complete within the configured timeout."""
+
+
+class PaceHangError(PaceDistributedError):
+    """The hang watchdog named ranks that stopped arriving (the run record's ``hung`` status)."""

@@ -15,11 +15,12 @@ session's telemetry thread on rank 0, tests, benchmarks) feeds each ``WindowResu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,10 +28,16 @@ import torch.distributed as dist
 from pace_strategy.core.clock import Clock, HostClock
 from pace_strategy.core.comm import PendingGather, WindowExchange
 from pace_strategy.core.config import PacingConfig
-from pace_strategy.core.errors import PaceDistributedError
+from pace_strategy.core.errors import PaceDistributedError, PacingConfigError
 from pace_strategy.core.policy import PacingPolicy
-from pace_strategy.core.records import NUM_FIELDS, Decision, Field
+from pace_strategy.core.rebalance import RebalanceDecision, RebalancePolicy, RebalanceState, first_boundary
+from pace_strategy.core.records import NUM_FIELDS, Decision, Field, PolicyState
+from pace_strategy.core.shares import ShareSchedule
 from pace_strategy.core.skew import WindowStats, window_stats
+from pace_strategy.core.state import STATE_VERSION, PacingStateError, check_state
+
+if TYPE_CHECKING:
+    from pace_strategy.core.gc_sync import GcSync
 
 __all__ = ["Pacer", "WindowResult"]
 
@@ -54,6 +61,7 @@ class _OpenStep:
     data_ms: float = 0.0
     gc_ms: float = 0.0
     gc_collections: int = 0
+    gc_due: float = 0.0
     samples: int = 0
     #: whether bucket hand-offs are seen (the comm-hook monitor); False: the buckets are not timed
     bucketed: bool = True
@@ -74,6 +82,8 @@ class WindowResult:
     stats: WindowStats
     decision: Decision
     warnings: tuple[str, ...] = ()  #: straggler warnings to log (rate-limited)
+    #: the rebalancing decision (``None``: no share schedule attached, or ``config.rebalance`` off)
+    rebalance: RebalanceDecision | None = None
 
 
 class Pacer:
@@ -107,13 +117,27 @@ class Pacer:
         self._open: _OpenStep | None = None
         self._unresolved: list[_OpenStep] = []
         self._pending: PendingGather | None = None
+        self._pending_rows: torch.Tensor | None = None  # this rank's rows in the last gather launched
         self._prev_end: Any | None = None
         self._prev_done: Any | None = None
         self._pending_data_ms = 0.0
         self._steps_seen = 0
+        #: where this rank is, for the hang watchdog's thread (one int store per event, no lock):
+        #: ``3 * steps ended + phase``, phase 0 between steps, 1 step begun, 2 arrived at its sync point
+        self.progress = 0
+        self.progress_step = -1  #: label (global step) of the last step begun
         self._window = 0
         self._delay_ms = 0.0
         self._watch = _StragglerWatch(config, self.clock)
+        #: ``gc_sync``: collects at agreed steps (the session sets it; ``None``: the collector is left alone)
+        self.gc_sync: GcSync | None = None
+        self._last_label = -1
+        self._shares: ShareSchedule | None = None
+        self._lookahead_steps = 0
+        #: decides the shares when ``config.rebalance`` and a schedule is attached (``attach_shares``)
+        self.rebalance: RebalancePolicy | None = None
+        self._rebalance_state: Mapping[str, Any] | None = None  # restored before attach_shares: kept
+        self._warned_no_shares = False
         self.window_work_ns = 0  #: host time end_step spent resolving, exchanging and deciding windows
         self.exchange_wait_ns = 0  #: part of window_work_ns spent blocked waiting for the all-gather
         self.flush_ns = 0  #: host time spent in flush() (end of training; includes waiting for peers)
@@ -147,6 +171,10 @@ class Pacer:
             data_ms=self._pending_data_ms,
         )
         self._pending_data_ms = 0.0
+        if self.gc_sync is not None:  # inside the open step: its pause is counted in this step's gc_ms
+            self.gc_sync.begin_step(self._steps_seen, step)
+        self.progress_step = step
+        self.progress = 3 * self._steps_seen + 1
 
     def add_data_wait(self, ms: float) -> None:
         """The training loop was blocked this long fetching input (host time, milliseconds).
@@ -170,6 +198,45 @@ class Pacer:
         if self._open is not None:
             self._open.samples = samples
 
+    def attach_shares(self, schedule: ShareSchedule, lookahead_steps: int) -> None:
+        """Attach the share schedule the data pipeline reads; the integration calls it once, before the
+        first step.
+
+        With ``config.rebalance``, every rank takes the same rebalancing decision from each gathered
+        window and adds a new split to ``schedule`` from the first window boundary at least
+        ``lookahead_steps + 2`` steps after the step at which it is decided. Schedule steps are the
+        step labels given to :meth:`begin_step` (the global optimizer step).
+
+        Args:
+            schedule: this rank's schedule (every rank has its own, built alike).
+            lookahead_steps: how many batches beyond the step in training the data pipeline may have
+                built (DataLoader workers x prefetch factor, plus the framework's own prefetch).
+        """
+        if schedule.world_size != self.world_size:
+            raise PacingConfigError(
+                f"the share schedule splits the batch over {schedule.world_size} ranks but this job has "
+                f"{self.world_size}: build ShareSchedule(global_batch, world_size={self.world_size})."
+            )
+        if isinstance(lookahead_steps, bool) or not isinstance(lookahead_steps, int) or lookahead_steps < 0:
+            raise ValueError(f"lookahead_steps must be an integer >= 0, got {lookahead_steps!r}")
+        self._shares = schedule
+        self._lookahead_steps = lookahead_steps
+        if self.config.rebalance:
+            current = schedule.current
+            self.rebalance = RebalancePolicy(
+                self.config, schedule.global_batch, self.world_size, current.samples, current.from_step
+            )
+            if self._rebalance_state is not None:
+                try:
+                    self._rebalance_restorer(self._rebalance_state)()
+                except PacingStateError as error:
+                    log.warning("pace_strategy: rebalancing starts fresh from the even split: %s", error)
+
+    @property
+    def shares(self) -> ShareSchedule | None:
+        """The attached share schedule (``None``: none attached)."""
+        return self._shares
+
     def interrupt(self) -> None:
         """Something other than training ran since the last step (validation, checkpointing): the next
         step's start is not contiguous with the previous step's end."""
@@ -192,6 +259,7 @@ class Pacer:
             step.handoffs.append(self.clock.mark())
             return
         step.ready = self.clock.mark()
+        self.progress = 3 * self._steps_seen + 2
         step.bucketed = bucketed
         delay = 0.0 if step.warmup else self._delay_ms
         if delay > 0.0:
@@ -259,9 +327,13 @@ class Pacer:
             return None
         self._open = None
         step.end = self.clock.mark()
+        if self.gc_sync is not None:
+            step.gc_due = self.gc_sync.due()
+        self._last_label = step.step
         self._prev_end = step.end
         self._prev_done = step.done
         self._steps_seen += 1
+        self.progress = 3 * self._steps_seen
         self._unresolved.append(step)
         k = self.config.exchange_every_steps
         due = len(self._unresolved) >= k + self.clock.resolve_lag_steps
@@ -300,9 +372,78 @@ class Pacer:
         self.flush_ns += time.perf_counter_ns() - started
         return results
 
+    def drain_local(self) -> tuple[list[WindowResult], torch.Tensor]:
+        """End without any collective (preemption; the peers may be gone or stopping): what this rank
+        can still account for of the steps it completed.
+
+        Returns the window in flight if its all-gather has already completed (checked, never waited
+        for: every rank's rows, decided as usual), and this rank's own rows (``[steps, NUM_FIELDS]``)
+        of every completed step that was not exchanged: the window whose gather had not completed and
+        the steps not yet launched. The step in progress, if any, is not counted. The Pacer exchanges
+        nothing afterwards.
+        """
+        results: list[WindowResult] = []
+        local: list[torch.Tensor] = []
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            done = pending.work is None or bool(pending.work.is_completed())
+            try:
+                if done:  # a completed gather's wait returns at once (or raises: it failed)
+                    results.append(self._decide(self.exchange.wait(pending)))
+            except PaceDistributedError:
+                done = False
+            if not done and self._pending_rows is not None:
+                local.append(self._pending_rows)
+        if self._unresolved:
+            local.append(torch.tensor([self._resolve(s) for s in self._unresolved], dtype=torch.float64))
+            self._unresolved = []
+        rows = torch.cat(local) if local else torch.empty(0, NUM_FIELDS, dtype=torch.float64)
+        return results, rows
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """The decision state as plain JSON-able data: windows decided so far and the controller's
+        state (:meth:`PacingPolicy.state_dict`). Identical on every rank after the same windows.
+
+        Per-step measurements are not part of it (a resumed run measures afresh, warm-up included:
+        DDP rebuilds its buckets in the new process).
+        """
+        state: dict[str, Any] = {
+            "version": STATE_VERSION,
+            "window": self._window,
+            "policy": self.policy.state_dict(),
+        }
+        if self.rebalance is not None and self._shares is not None:
+            state["rebalance"] = {
+                "version": STATE_VERSION,
+                "policy": self.rebalance.state_dict(),
+                "entries": [
+                    {"from_step": e.from_step, "samples": list(e.samples), "reason": e.reason}
+                    for e in self._shares.entries
+                ],
+            }
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (before the first window of this run): the
+        controller's state and delays, and the window numbering continues. Raises
+        :class:`~pace_strategy.core.state.PacingStateError` and changes nothing when it cannot."""
+        s = check_state(state, "the pacer's state", {"window": int, "policy": dict})
+        # checked before anything changes; restored now if the schedule is attached, else at attach_shares
+        attached = "rebalance" in s and self.rebalance is not None
+        restore = self._rebalance_restorer(s["rebalance"]) if attached else None
+        self.policy.load_state_dict(s["policy"])
+        self._window = s["window"]
+        self._delay_ms = self.policy.last_decision.delays_ms[self.rank]
+        if "rebalance" in s:
+            self._rebalance_state = s["rebalance"]
+        if restore is not None:
+            restore()
+
     def _launch(self, count: int) -> PendingGather:
         steps, self._unresolved = self._unresolved[:count], self._unresolved[count:]
         rows = torch.tensor([self._resolve(s) for s in steps], dtype=torch.float64)
+        self._pending_rows = rows
         return self.exchange.start(rows, steps[0].step, steps[-1].step)
 
     def _resolve(self, s: _OpenStep) -> list[float]:
@@ -328,6 +469,7 @@ class Pacer:
         row[Field.GC_MS] = s.gc_ms
         row[Field.GC_COLLECTIONS] = float(s.gc_collections)
         row[Field.SAMPLES] = float(s.samples)
+        row[Field.GC_DUE] = s.gc_due
         return row
 
     def _decide(self, gathered: torch.Tensor) -> WindowResult:
@@ -344,7 +486,28 @@ class Pacer:
         stats = window_stats(self._window, gathered)
         decision = self.policy.update(stats)
         self._delay_ms = decision.delays_ms[self.rank]
+        if self.gc_sync is not None:
+            collect = self.gc_sync.decide(gathered, self._last_label)
+            if collect is not None:
+                decision = dataclasses.replace(decision, gc_collect=collect)
         warnings = self._watch.check(stats)
+        rebalance = self._rebalance_window(gathered)
+        if rebalance is not None and rebalance.changed and rebalance.state is RebalanceState.OFF:
+            warnings += (f"pace_strategy: {rebalance.reason}",)
+        held = self._pacing_held(rebalance, int(labels[0, -1]) if labels.shape[1] else self._last_label)
+        if held is not None:
+            # While the split changes, or is on trial, the step itself changes: each controller's A/B
+            # check would credit the other's effect. Pacing waits and then starts over on the new split.
+            self.policy = PacingPolicy(self.config, self.world_size)
+            self._delay_ms = 0.0
+            decision = dataclasses.replace(
+                decision,
+                state=PolicyState.MONITOR,
+                delays_ms=(0.0,) * self.world_size,
+                reason=f"pacing held: {held}",
+                baseline_step_ms=None,
+                paced_step_ms=None,
+            )
         self._window += 1
         return WindowResult(
             window=stats.window,
@@ -352,7 +515,81 @@ class Pacer:
             stats=stats,
             decision=decision,
             warnings=warnings,
+            rebalance=rebalance,
         )
+
+    def _pacing_held(self, rebalance: RebalanceDecision | None, window_last_step: int) -> str | None:
+        """Why pacing is held after this window (a rebalancing trial, or a split that the window's
+        steps did not run at yet), or ``None``."""
+        if rebalance is None or self._shares is None:
+            return None
+        if rebalance.state is RebalanceState.TRIAL:
+            return f"a rebalancing trial of the split {list(rebalance.shares)} is running"
+        current = self._shares.current
+        if current.from_step > window_last_step:
+            return f"the split {list(current.samples)} starts at step {current.from_step}"
+        return None
+
+    def _rebalance_window(self, gathered: torch.Tensor) -> RebalanceDecision | None:
+        """The rebalancing decision of one window; a new split goes into the schedule."""
+        if self.rebalance is None or self._shares is None:
+            if self.config.rebalance and not self._warned_no_shares:
+                self._warned_no_shares = True
+                log.warning(
+                    "pace_strategy: rebalance=True but no share schedule is attached (the integration "
+                    "calls Pacer.attach_shares): this run is not rebalanced"
+                )
+            return None
+        # Every rank has built at most lookahead_steps batches beyond the step after this one: a split
+        # from the first window boundary past that is one no rank has built yet, the same everywhere.
+        last = int(gathered[0, -1, Field.STEP]) if gathered.shape[1] else self._last_label
+        start = first_boundary(
+            last, self.config.exchange_every_steps, self._last_label + self._lookahead_steps + 2
+        )
+        current = self._shares.current
+        self.rebalance.follow(current.from_step, current.samples)  # a split added by someone else
+        decision = self.rebalance.update(gathered, self._window, start)
+        if decision.from_step is not None:
+            try:
+                self._shares.add(decision.from_step, decision.shares, decision.reason)
+            except ValueError as error:
+                raise PaceDistributedError(
+                    self.rank,
+                    self.world_size,
+                    f"rebalancing decided the split {list(decision.shares)} from step {decision.from_step}, "
+                    f"but this rank's data pipeline has already built step {self._shares.last_built}: it "
+                    f"builds further ahead than the {self._lookahead_steps} steps its integration declared "
+                    "(attach_shares lookahead_steps), so the ranks could split that step differently. "
+                    "Declare the DataLoader's real prefetch (num_workers x prefetch_factor, plus the "
+                    f"framework's own). ({error})",
+                ) from error
+        return decision
+
+    def _rebalance_restorer(self, state: Mapping[str, Any]) -> Callable[[], None]:
+        """Check a saved rebalancing state (:meth:`state_dict`) against the attached schedule; the
+        returned call restores the controller and the schedule's later splits. Raises
+        :class:`~pace_strategy.core.state.PacingStateError` when it cannot."""
+        schedule = self._shares
+        assert schedule is not None
+        s = check_state(state, "the rebalancing state", {"policy": dict, "entries": list})
+        try:
+            entries = [
+                (int(e["from_step"]), [int(n) for n in e["samples"]], str(e["reason"])) for e in s["entries"]
+            ]
+        except (TypeError, ValueError, KeyError) as error:
+            raise PacingStateError(f"the rebalancing state's entries do not load: {error}") from error
+        policy = RebalancePolicy(self.config, schedule.global_batch, self.world_size)
+        policy.load_state_dict(s["policy"])
+
+        def restore() -> None:
+            self.rebalance = policy
+            for from_step, samples, reason in entries:
+                # the start entry, or one the sampler's own state already restored, is held already
+                if from_step > schedule.current.from_step:
+                    schedule.add(from_step, samples, reason)
+            self._rebalance_state = None
+
+        return restore
 
 
 class _StragglerWatch:

@@ -9,16 +9,44 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.records import Decision, PolicyState
 from pace_strategy.core.skew import WindowStats
+from pace_strategy.core.state import STATE_VERSION, PacingStateError, check_state
 
-__all__ = ["PacingPolicy"]
+__all__ = ["PacingPolicy", "ab_gain_needed_ms", "ab_noise_ms", "next_cooldown_windows"]
+
+
+def ab_noise_ms(baseline_medians: Sequence[float], arm_windows: int) -> float:
+    """Standard deviation (ms) of an A/B difference that noise alone would give.
+
+    Each arm of the check is a median of ``arm_windows`` window medians, so its difference has about
+    ``sqrt(2 / arm_windows)`` times the spread of single windows; ``baseline_medians`` are window
+    medians measured before the trial (the run's own window-to-window noise). Shared by pacing's and
+    rebalancing's A/B checks."""
+    spread = statistics.stdev(baseline_medians) if len(baseline_medians) >= 2 else 0.0
+    return spread * math.sqrt(2.0 / arm_windows)
+
+
+def ab_gain_needed_ms(config: PacingConfig, baseline_ms: float, noise_ms: float) -> float:
+    """The gain (ms) a trial arm must show over ``baseline_ms`` to be kept: ``min_gain_fraction`` of
+    the baseline and ``ab_noise_factor`` times the comparison's noise ``noise_ms``."""
+    return max(config.min_gain_fraction * baseline_ms, config.ab_noise_factor * noise_ms)
+
+
+def next_cooldown_windows(previous: int, failed_in_row: int, first: int, growth: float, bound: int) -> int:
+    """Length (windows) of the cool-down after one more failed check: ``first`` after a kept check
+    (``failed_in_row`` 0), else ``previous`` times ``growth``, at most ``bound``."""
+    if failed_in_row == 0:
+        return first
+    # from the previous length, not growth**n: no float overflow however long the run
+    return min(math.ceil(previous * growth), bound)
 
 
 @dataclass(frozen=True)
@@ -30,6 +58,35 @@ class _Window:
     delays_ms: tuple[float, ...]  #: per-rank delays this window's leads call for, milliseconds
     note: str  #: the window's skew, in words, for the decision's reason
     was_paced: bool  #: the window's steps ran under delays (the previous decision paced some rank)
+
+
+_NUMBER = (int, float)
+_OPTIONAL_NUMBER = (int, float, type(None))
+#: the fields of PacingPolicy.state_dict() and their types
+_POLICY_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "world_size": int,
+    "state": str,
+    "smoothed_lead_ms": (list, type(None)),
+    "severe_streak": int,
+    "calm_streak": int,
+    "unpaced_medians": list,
+    "paced_medians": list,
+    "paced_since_probe": int,
+    "state_windows": int,
+    "failed_checks": int,
+    "cooldown_len": int,
+    "baseline_ms": _OPTIONAL_NUMBER,
+    "noise_ms": _NUMBER,
+    "last_decision": dict,
+}
+_DECISION_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "window": int,
+    "state": str,
+    "delays_ms": list,
+    "reason": str,
+    "baseline_step_ms": _OPTIONAL_NUMBER,
+    "paced_step_ms": _OPTIONAL_NUMBER,
+}
 
 
 class PacingPolicy:
@@ -76,6 +133,89 @@ class PacingPolicy:
     @property
     def last_decision(self) -> Decision:
         return self._last
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the next decision depends on, as plain JSON-able data (versioned).
+
+        Floats are written as they are (JSON round-trips a float64 exactly), so a policy restored
+        with :meth:`load_state_dict` takes the same decisions from the same windows as this one.
+        The configuration is not part of it: the restoring run's own config applies.
+        """
+        last = self._last
+        return {
+            "version": STATE_VERSION,
+            "world_size": self.world_size,
+            "state": self.state.value,
+            "smoothed_lead_ms": None if self._smoothed_lead_ms is None else self._smoothed_lead_ms.tolist(),
+            "severe_streak": self._severe_streak,
+            "calm_streak": self._calm_streak,
+            "unpaced_medians": list(self._unpaced_medians),
+            "paced_medians": list(self._paced_medians),
+            "paced_since_probe": self._paced_since_probe,
+            "state_windows": self._state_windows,
+            "failed_checks": self._failed_checks,
+            "cooldown_len": self._cooldown_len,
+            "baseline_ms": self._baseline_ms,
+            "noise_ms": self._noise_ms,
+            "last_decision": {
+                "window": last.window,
+                "state": last.state.value,
+                "delays_ms": list(last.delays_ms),
+                "reason": last.reason,
+                "baseline_step_ms": last.baseline_step_ms,
+                "paced_step_ms": last.paced_step_ms,
+            },
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned. Raises :class:`PacingStateError` (and changes
+        nothing) for a newer version, a missing or mistyped field, or another world size."""
+        s = check_state(state, "the pacing controller's state", _POLICY_FIELDS)
+        if s["world_size"] != self.world_size:
+            raise PacingStateError(
+                f"the pacing controller's state was saved with world_size {s['world_size']}, this run has "
+                f"{self.world_size}: per-rank leads and delays do not carry over; the controller starts "
+                "fresh (monitoring)."
+            )
+        lead = s["smoothed_lead_ms"]
+        last = check_state(
+            {"version": STATE_VERSION, **s["last_decision"]}, "last_decision", _DECISION_FIELDS
+        )
+        for name, values in (("smoothed_lead_ms", lead), ("last_decision.delays_ms", last["delays_ms"])):
+            if values is not None and len(values) != self.world_size:
+                raise PacingStateError(
+                    f"the pacing controller's state field {name!r} has {len(values)} values, not one per "
+                    f"rank of {self.world_size}"
+                )
+        try:
+            state_now = PolicyState(s["state"])
+            decision = Decision(
+                window=last["window"],
+                state=PolicyState(last["state"]),
+                delays_ms=tuple(float(d) for d in last["delays_ms"]),
+                reason=last["reason"],
+                baseline_step_ms=last["baseline_step_ms"],
+                paced_step_ms=last["paced_step_ms"],
+            )
+            smoothed = None if lead is None else torch.tensor(lead, dtype=torch.float64)
+            unpaced = [float(v) for v in s["unpaced_medians"]]
+            paced = [float(v) for v in s["paced_medians"]]
+        except (TypeError, ValueError) as error:
+            raise PacingStateError(f"the pacing controller's state does not load: {error}") from error
+        self.state = state_now
+        self._smoothed_lead_ms = smoothed
+        self._severe_streak = s["severe_streak"]
+        self._calm_streak = s["calm_streak"]
+        self._unpaced_medians = unpaced
+        self._paced_medians = paced
+        self._paced_since_probe = s["paced_since_probe"]
+        self._state_windows = s["state_windows"]
+        self._failed_checks = s["failed_checks"]
+        self._cooldown_len = s["cooldown_len"]
+        self._baseline_ms = None if s["baseline_ms"] is None else float(s["baseline_ms"])
+        self._noise_ms = float(s["noise_ms"])
+        self._last = decision
 
     def update(self, stats: WindowStats) -> Decision:
         """Consume one window and return the decision for the steps that follow it."""
@@ -144,7 +284,7 @@ class PacingPolicy:
         paced = statistics.median(self._paced_medians)
         base = self._baseline_ms if self._baseline_ms is not None else w.median_step_ms
         self._paced_medians = []
-        needed = max(cfg.min_gain_fraction * base, cfg.ab_noise_factor * self._noise_ms)
+        needed = ab_gain_needed_ms(cfg, base, self._noise_ms)
         if base - paced < needed:
             return self._back_off(w.index, paced, base, needed)
         self._failed_checks = 0
@@ -186,20 +326,20 @@ class PacingPolicy:
         cfg = self.config
         unpaced = self._unpaced_medians
         self._baseline_ms = statistics.median(unpaced[-cfg.ab_windows :])
-        # Each side of the comparison is a median of ab_windows window medians: its difference has
-        # about sqrt(2 / ab_windows) times the spread of single windows when noise alone moves them.
-        spread = statistics.stdev(unpaced) if len(unpaced) >= 2 else 0.0
-        self._noise_ms = spread * math.sqrt(2.0 / cfg.ab_windows)
+        self._noise_ms = ab_noise_ms(unpaced, cfg.ab_windows)
         self._paced_medians = []
         self._paced_since_probe = 0
 
     def _next_cooldown(self) -> int:
         """Length of the cool-down after one more failed check: grows geometrically, bounded."""
         cfg = self.config
-        if self._failed_checks == 0:
-            return cfg.cooldown_windows
-        # from the previous length, not growth**n: no float overflow however long the run
-        return min(math.ceil(self._cooldown_len * cfg.cooldown_growth), cfg.max_cooldown_windows)
+        return next_cooldown_windows(
+            self._cooldown_len,
+            self._failed_checks,
+            cfg.cooldown_windows,
+            cfg.cooldown_growth,
+            cfg.max_cooldown_windows,
+        )
 
     # ------------------------------------------------------------------ shared by every state
     def _observe(self, stats: WindowStats) -> _Window:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["NUM_FIELDS", "Decision", "Field", "PolicyState", "StepSummary"]
+__all__ = ["NUM_FIELDS", "Decision", "Field", "GcCollect", "PolicyState", "StepSummary"]
 
 
 class Field(enum.IntEnum):
@@ -31,6 +31,9 @@ class Field(enum.IntEnum):
     GC_MS = 10  #: time this rank's garbage collector ran during the step (0 when not measured)
     GC_COLLECTIONS = 11  #: garbage collections (any generation) that ran during the step
     SAMPLES = 12  #: samples this rank trained on in the step (0: not known to pace_strategy)
+    #: ``gc_sync``: how close this rank's collector is to the full collection it would have run by
+    #: itself, at the step's end (>= 1: it would have collected; 0 while gc_sync is off)
+    GC_DUE = 13
 
 
 NUM_FIELDS = len(Field)
@@ -43,6 +46,17 @@ class PolicyState(str, enum.Enum):
     PACING = "pacing"  #: delays applied (the paced arm of the A/B check)
     PROBE = "probe"  #: delays withheld to re-measure the unpaced arm
     COOLDOWN = "cooldown"  #: backed off after pacing failed to help; no pacing until it ends
+
+
+@dataclass(frozen=True)
+class GcCollect:
+    """A synchronized full garbage collection (``gc_sync``), decided identically on every rank.
+
+    Every rank runs it at the start of the step after ``after_step``, so the pauses overlap."""
+
+    after_step: int  #: label of the step in whose ``end_step`` the window's decision was made
+    #: each rank's due fraction at the window's last step (>= ``gc_sync_due_fraction``: it was due)
+    due: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -59,6 +73,8 @@ class Decision:
     reason: str
     baseline_step_ms: float | None = None
     paced_step_ms: float | None = None
+    #: ``gc_sync``: a synchronized full collection decided from this window (``None``: none)
+    gc_collect: GcCollect | None = None
 
     @property
     def pacing_active(self) -> bool:

@@ -3,20 +3,31 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pace_strategy.telemetry.run_record import RECORD_FILENAME, TRUNCATED, RunRecordError, iter_run_record
+from pace_strategy.telemetry.run_record import (
+    RECORD_FILENAME,
+    TRUNCATED,
+    RunRecordError,
+    attempt_number,
+    attempt_records,
+    iter_run_record,
+    read_run_record,
+)
 
-__all__ = ["RANK_AXIS", "RunArrays", "find_run_record", "load_arrays"]
+__all__ = ["RANK_AXIS", "RunArrays", "find_run_record", "load_arrays", "load_timeline", "timeline_records"]
 
 #: per-rank arrays are ``[steps, ranks]``: the axis the glossary functions reduce over
 RANK_AXIS = 1
 
 _RANK_FIELDS = ("wait_ms", "compute_ms", "delay_ms", "data_ms", "gap_ms", "step_ms")
+#: per-rank fields that later records add: loaded when every kept step has them, else left ``None``
+_OPTIONAL_RANK_FIELDS = ("gc_ms", "gc_collections", "samples")
 
 
 @dataclass
@@ -38,6 +49,18 @@ class RunArrays:
     step_ms: np.ndarray  #: [S] slowest rank's step time
     pacing_active: np.ndarray  #: [S] bool
     decisions: list[dict[str, Any]]
+    gc_ms: np.ndarray | None = None  #: [S, ranks] time in the garbage collector; None: not recorded
+    gc_collections: np.ndarray | None = None  #: [S, ranks] collections per step; None: not recorded
+    #: [S, ranks] samples each rank trained on (0: not reported); None: not recorded
+    samples: np.ndarray | None = None
+    shares: list[dict[str, Any]] = field(default_factory=list)  #: the record's ``shares`` lines
+    hangs: list[dict[str, Any]] = field(default_factory=list)  #: the record's ``hang`` lines
+    #: every attempt of an elastically restarted job whose record lies beside this one (this one
+    #: included, ``"this": true``), first attempt first: path, restart_count, status, error, steps, hangs
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    #: a run and its resumptions read as one timeline (:func:`load_timeline`): one entry per record,
+    #: oldest first (path, status, steps, first/last step, the resume line); empty for one record
+    segments: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
@@ -60,23 +83,59 @@ class RunArrays:
 
 
 def find_run_record(run_dir: str | os.PathLike[str]) -> Path:
-    """The run record in ``run_dir``: the directory's own, or the single one below it."""
+    """The run record in ``run_dir``: the directory's own, or the single one below it.
+
+    A directory that holds the records of several attempts of an elastically restarted job
+    (``pace_run.jsonl``, ``pace_run.restart1.jsonl``, ...) gives the latest attempt's; the diagnosis
+    notes the others (``RunArrays.attempts``)."""
     p = Path(run_dir)
     if p.is_file():
         return p
     if not p.exists():
         raise RunRecordError(f"{p} does not exist")
-    if (p / RECORD_FILENAME).is_file():
-        return p / RECORD_FILENAME
-    found = sorted(p.rglob(RECORD_FILENAME))
+    if attempts := attempt_records(p):
+        return attempts[-1]
+    found = sorted({f.parent for f in p.rglob("pace_run*.jsonl") if attempt_number(f.name) is not None})
     if not found:
         raise RunRecordError(
             f"no {RECORD_FILENAME} in {p} or below it: is this a pace_strategy run directory?"
         )
     if len(found) > 1:
-        listing = "\n".join(f"  {f.parent}" for f in found)
+        listing = "\n".join(f"  {d}" for d in found)
         raise RunRecordError(f"{len(found)} run records under {p}; pass one of these directories:\n{listing}")
-    return found[0]
+    return attempt_records(found[0])[-1]
+
+
+def _attempts(p: Path, this: dict[str, Any]) -> list[dict[str, Any]]:
+    """How every attempt of the job whose record is ``p`` ended (``this``: p's own, already read),
+    from the records beside it; empty for a job that was never restarted."""
+    paths = attempt_records(p.parent)
+    if len(paths) < 2 or p not in paths:
+        return []
+    out = []
+    for path in paths:
+        if path == p:
+            out.append(this)
+            continue
+        try:
+            record = read_run_record(path)
+        except RunRecordError as error:
+            number = attempt_number(path.name)
+            out.append({"path": str(path), "restart_count": number, "status": f"unreadable: {error}"})
+            continue
+        end = record.end or {}
+        out.append(
+            {
+                "path": str(path),
+                "restart_count": record.restart_count,
+                "status": str(end.get("status", "no end line")),
+                "error": end.get("error"),
+                "steps": len(record.steps),
+                "hangs": record.hangs,
+                "this": False,
+            }
+        )
+    return out
 
 
 def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
@@ -85,9 +144,11 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
     objs = iter_run_record(p)
     header = next(objs)
     world = int(header["world_size"])
-    cols: dict[str, list[Any]] = {k: [] for k in _RANK_FIELDS}
+    cols: dict[str, list[Any]] = {k: [] for k in _RANK_FIELDS + _OPTIONAL_RANK_FIELDS}
     steps, step_ms, active = [], [], []
     decisions: list[dict[str, Any]] = []
+    hangs: list[dict[str, Any]] = []
+    shares: list[dict[str, Any]] = []
     end = None
     truncated = False
     total = 0
@@ -100,11 +161,18 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
             ranks = obj["ranks"]
             for k in _RANK_FIELDS:
                 cols[k].append(ranks[k])
+            for k in _OPTIONAL_RANK_FIELDS:
+                if k in ranks:
+                    cols[k].append(ranks[k])
             steps.append(obj["step"])
             step_ms.append(obj["step_ms"])
             active.append(obj["pacing_active"])
         elif kind == "decision":
             decisions.append(obj)
+        elif kind == "hang":
+            hangs.append(obj)
+        elif kind == "shares":
+            shares.append(obj)
         elif kind == "end":
             end = obj
         elif kind == TRUNCATED:
@@ -113,6 +181,9 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
     def arr(k: str) -> np.ndarray:
         a = np.asarray(cols[k], dtype=np.float64)
         return a.reshape(len(steps), world)
+
+    def optional(k: str) -> np.ndarray | None:
+        return arr(k) if len(cols[k]) == len(steps) and steps else None
 
     return RunArrays(
         path=p,
@@ -130,4 +201,141 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
         step_ms=np.asarray(step_ms, dtype=np.float64),
         pacing_active=np.asarray(active, dtype=bool),
         decisions=decisions,
+        gc_ms=optional("gc_ms"),
+        gc_collections=optional("gc_collections"),
+        samples=optional("samples"),
+        shares=shares,
+        hangs=hangs,
+        attempts=_attempts(
+            p,
+            {
+                "path": str(p),
+                "restart_count": int(header.get("restart_count", 0)),
+                "status": str((end or {}).get("status", "no end line")),
+                "error": (end or {}).get("error"),
+                "steps": total,
+                "hangs": hangs,
+                "this": True,
+            },
+        ),
     )
+
+
+# ---------------------------------------------------------------------- a run and its resumptions
+def timeline_records(run_dirs: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """The records that ``pace diagnose RUN_DIR [RUN_DIR ...]`` reads as one timeline.
+
+    Several arguments: one record each (:func:`find_run_record`), whatever they are. One directory
+    with several run directories below it (Lightning's ``lightning_logs/version_N`` after a
+    ``trainer.fit(ckpt_path=...)``): all of them when every record but the oldest begins with a
+    ``resume`` line (a run and its resumptions), else the usual error listing them.
+    """
+    if len(run_dirs) != 1:
+        return [find_run_record(d) for d in run_dirs]
+    p = Path(run_dirs[0])
+    if p.is_dir() and not attempt_records(p):
+        dirs = sorted({f.parent for f in p.rglob("pace_run*.jsonl") if attempt_number(f.name) is not None})
+        if len(dirs) > 1:
+            try:
+                records = sorted((find_run_record(d) for d in dirs), key=_created)
+                if all(read_run_record(r).resume is not None for r in records[1:]):
+                    return records
+            except RunRecordError:
+                pass  # an unreadable record is no timeline: the listing below names every directory
+    return [find_run_record(p)]
+
+
+def _created(path: Path) -> tuple[float, str]:
+    created = read_run_record(path).header.get("created_unix")
+    return (float(created) if isinstance(created, (int, float)) else 0.0, str(path))
+
+
+def load_timeline(records: Sequence[str | os.PathLike[str]]) -> RunArrays:
+    """Several records of one run (a run, then its resumptions from checkpoints) as one
+    :class:`RunArrays`, oldest first (by the header's creation time): their steps one after another.
+
+    Every measured step is kept, including the steps a preempted run trained after the checkpoint it
+    was resumed from (the resumed run trains them again): both are real time spent. ``segments`` says
+    where each record begins and how it ended. One record: :func:`load_arrays`.
+    """
+    paths = sorted((find_run_record(r) for r in records), key=_created)
+    parts = [load_arrays(p) for p in paths]
+    if len(parts) == 1:
+        return parts[0]
+    worlds = {a.world_size for a in parts}
+    if len(worlds) > 1:
+        listing = ", ".join(f"{a.path} ({a.world_size} ranks)" for a in parts)
+        raise RunRecordError(
+            f"these run records have different world sizes and are not one timeline: {listing}; "
+            "diagnose each on its own (pace diagnose RUN_DIR)"
+        )
+    segments = []
+    for a in parts:
+        record = read_run_record(a.path)
+        labels = [int(s["step"]) for s in record.steps]
+        segments.append(
+            {
+                "path": str(a.path),
+                "status": str((a.end or {}).get("status", "no end line")),
+                "steps": len(labels),
+                "first_step": min(labels, default=None),
+                "last_step": max(labels, default=None),
+                "local_steps": len(record.local_steps),
+                "resume": record.resume,
+            }
+        )
+    last = parts[-1]
+
+    def cat(name: str) -> np.ndarray:
+        return np.concatenate([getattr(a, name) for a in parts])
+
+    def cat_optional(name: str) -> np.ndarray | None:
+        values = [getattr(a, name) for a in parts]
+        return None if any(v is None for v in values) else np.concatenate(values)
+
+    return RunArrays(
+        path=parts[0].path,
+        header=parts[0].header,
+        end=last.end,
+        truncated=any(a.truncated for a in parts),
+        total_steps=sum(a.total_steps for a in parts),
+        step=cat("step"),
+        wait=cat("wait"),
+        compute=cat("compute"),
+        delay=cat("delay"),
+        data=cat("data"),
+        gap=cat("gap"),
+        rank_step=cat("rank_step"),
+        step_ms=cat("step_ms"),
+        pacing_active=cat("pacing_active"),
+        decisions=[d for a in parts for d in a.decisions],
+        gc_ms=cat_optional("gc_ms"),
+        gc_collections=cat_optional("gc_collections"),
+        hangs=[h for a in parts for h in a.hangs],
+        attempts=[t for a in parts for t in a.attempts],
+        segments=segments,
+    )
+
+
+def timeline_notes(a: RunArrays) -> list[str]:
+    """The timeline in words: each record, where it resumed and how it ended (none for one record)."""
+    notes = []
+    for number, s in enumerate(a.segments, start=1):
+        span = f"steps {s['first_step']}-{s['last_step']}" if s["steps"] else "no steps"
+        resume = s["resume"]
+        where = ""
+        if resume is not None:
+            restored = ", ".join(resume["restored"]) or "nothing"
+            origin = resume["from"] or "a checkpoint"
+            where = f", resumed at step {resume['step']} from {origin} (restored: {restored})"
+        local = f", plus {s['local_steps']} steps measured on rank 0 only" if s["local_steps"] else ""
+        part = f"timeline part {number} of {len(a.segments)}"
+        notes.append(f"{part}, {s['path']}{where}: {span}{local}, {s['status']}")
+    for before, after in zip(a.segments, a.segments[1:], strict=False):
+        resume = after["resume"]
+        if resume is not None and before["last_step"] is not None and before["last_step"] >= resume["step"]:
+            notes.append(
+                f"steps {resume['step']}-{before['last_step']} were trained twice (before the preemption and "
+                "again after the resume); both measurements are in the diagnosis"
+            )
+    return notes

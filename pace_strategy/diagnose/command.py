@@ -1,10 +1,12 @@
-"""``pace diagnose RUN_DIR [--json]``: the terminal report, report.html and plots beside the run;
+"""``pace diagnose RUN_DIR [RUN_DIR ...] [--json]``: the terminal report, report.html and plots beside
+the run (several run directories, or one holding a run and its resumptions: one timeline);
 ``pace diagnose --compare RUN_A RUN_B``: two runs side by side."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import textwrap
 import time
@@ -46,7 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
         "PNG plots beside the run.",
     )
     p.add_argument(
-        "run_dir", nargs="?", help="a directory holding pace_run.jsonl (or a parent holding exactly one)"
+        "run_dir",
+        nargs="*",
+        help="a directory holding pace_run.jsonl (or a parent holding exactly one, or a run and its "
+        "resumptions, e.g. lightning_logs after trainer.fit(ckpt_path=...)); several: one run's records "
+        "read as one timeline, oldest first",
     )
     p.add_argument(
         "--compare",
@@ -75,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if (args.run_dir is None) == (args.compare is None):
+    if bool(args.run_dir) == (args.compare is not None):
         parser.error("pass RUN_DIR, or --compare RUN_A RUN_B")
     from pace_strategy.diagnose.config import DiagnosisConfig
     from pace_strategy.settings import load_mapping
@@ -94,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_report:
         from pace_strategy.diagnose.report import render_report
 
-        out_dir = Path(args.out) if args.out else arrays.path.parent / "pace_report"
+        out_dir = Path(args.out) if args.out else _report_parent(arrays) / "pace_report"
         paths = render_report(arrays, result, out_dir, cfg)
     if args.json:
         payload = result.to_dict()
@@ -102,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         payload["report"] = {k: str(v) for k, v in paths.items()}
         print(json.dumps(payload, indent=2))
         return 0
-    print(f"pace diagnose: {arrays.path}")
+    print(f"pace diagnose: {', '.join(s['path'] for s in arrays.segments) or arrays.path}")
     print(
         f"  {arrays.world_size} ranks, {arrays.steps:,} usable steps of {arrays.total_steps:,}, "
         f"analysed in {elapsed:.1f} s"
@@ -113,12 +119,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _diagnose(run_dir: str, cfg: DiagnosisConfig, ranks: Sequence[int]) -> tuple[RunArrays, Diagnosis]:
-    from pace_strategy.diagnose.arrays import load_arrays
+def _diagnose(
+    run_dirs: str | Sequence[str], cfg: DiagnosisConfig, ranks: Sequence[int]
+) -> tuple[RunArrays, Diagnosis]:
+    from pace_strategy.diagnose.arrays import load_timeline, timeline_records
     from pace_strategy.diagnose.findings import diagnose
 
-    arrays = load_arrays(run_dir)
+    arrays = load_timeline(timeline_records([run_dirs] if isinstance(run_dirs, str) else run_dirs))
     return arrays, diagnose(arrays, cfg, project_ranks=ranks)
+
+
+def _report_parent(arrays: RunArrays) -> Path:
+    """Where the report goes by default: beside the record, or for a timeline of several records the
+    directory that holds them all (e.g. ``lightning_logs``)."""
+    if not arrays.segments:
+        return arrays.path.parent
+    return Path(os.path.commonpath([Path(s["path"]).parent for s in arrays.segments]))
 
 
 def _wrap(text: str) -> str:

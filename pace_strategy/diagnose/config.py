@@ -20,6 +20,7 @@ _SHARES = (
     "spread_entropy",
     "data_share",
     "data_straggler_share",
+    "gc_explained_share",
 )
 
 
@@ -132,6 +133,21 @@ class DiagnosisConfig:
     data_straggler_steps: int = field(
         default=5,
         metadata=doc("Only a rank last in at least this many steps is checked for a data-loading stall."),
+    )
+    gc_explained_share: float = field(
+        default=0.5,
+        metadata=doc(
+            """In the costly steps (skew above the noise threshold), the late rank's own garbage-collector
+            time beyond the other ranks' must explain at least this share of its summed lateness for
+            ``gc_pauses`` (needs a record with ``gc_ms``)."""
+        ),
+    )
+    gc_min_steps: int = field(
+        default=3,
+        metadata=doc(
+            """``gc_pauses`` needs at least this many costly steps whose late rank's own collector
+            explains at least half of its lateness (one collection is not a pattern)."""
+        ),
     )
     max_heatmap_rows: int = field(
         default=128, metadata=doc("Above this many ranks the lead heat map aggregates by node.")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pace_strategy.diagnose.arrays import RunArrays
+from pace_strategy.diagnose.arrays import RunArrays, timeline_notes
 from pace_strategy.diagnose.config import DiagnosisConfig
+from pace_strategy.diagnose.gc_checks import gc_pauses
 from pace_strategy.diagnose.group_checks import fabric_contention, sync_amplification
 from pace_strategy.diagnose.projection import DEFAULT_PROJECT_RANKS, project
 from pace_strategy.diagnose.rank_checks import (
@@ -17,6 +19,7 @@ from pace_strategy.diagnose.rank_checks import (
     locality,
     persistent_or_late_start,
 )
+from pace_strategy.diagnose.rebalance import rebalance_outcome
 from pace_strategy.diagnose.result import MODES, Diagnosis, Finding, Mode, pct, projection_text
 from pace_strategy.diagnose.run_stats import (
     EPSILON,
@@ -25,8 +28,30 @@ from pace_strategy.diagnose.run_stats import (
     UNEXPLAINED_CONFIDENCE,
     RunStats,
 )
+from pace_strategy.telemetry.run_record import hang_text
 
 __all__ = ["MODES", "Diagnosis", "Finding", "Mode", "diagnose", "projection_text"]
+
+
+def _restart_notes(a: RunArrays) -> list[str]:
+    """An elastically restarted job: which attempt this record is, and how every attempt ended."""
+    restarts = int(a.header.get("restart_count", 0))
+    notes = []
+    if restarts:
+        notes.append(
+            f"elastic restart: this record is attempt {restarts + 1} of the job (torchrun restarted its "
+            f"workers {restarts} time{'s' if restarts > 1 else ''}; TORCHELASTIC_RESTART_COUNT={restarts})"
+        )
+    for attempt in a.attempts:
+        error = f": {attempt['error']}" if attempt.get("error") else ""
+        hangs = "".join(f"; hang: {hang_text(h)}" for h in attempt.get("hangs", []))
+        which = " (this record)" if attempt.get("this") else ""
+        number = int(attempt["restart_count"] or 0) + 1
+        notes.append(
+            f"attempt {number} of the job{which}, {Path(attempt['path']).name}: {attempt['status']} "
+            f"after {attempt.get('steps', 0)} recorded steps{error}{hangs}"
+        )
+    return notes
 
 
 def diagnose(
@@ -49,6 +74,17 @@ def diagnose(
         notes.append("the record has no end line: the run did not finish cleanly")
     elif a.end.get("status") == "failed":
         notes.append(f"the run failed: {a.end.get('error')}")
+    elif a.end.get("status") == "hung":
+        notes.append(f"the run was aborted on a hang: {a.end.get('error')}")
+    elif a.end.get("status") == "terminated":
+        notes.append(
+            f"the run was stopped by a signal ({a.end.get('error')}): its steps up to then are kept; "
+            f"{a.end.get('local_steps', 0)} more were measured on rank 0 only (local_step lines, not "
+            "diagnosed)"
+        )
+    notes += timeline_notes(a)
+    notes += [f"hang: {hang_text(h)}" for h in a.hangs]
+    notes += _restart_notes(a)
     if a.steps < cfg.min_steps or a.world_size < MIN_RANKS:
         return Diagnosis(
             findings=[],
@@ -62,6 +98,10 @@ def diagnose(
     explained: set[int] = set()
     checks = (
         data_stall,
+        # Before the rank checks: with two ranks one of them is last in half the steps whatever the
+        # cause, and a rank whose lateness its own collector explains is not slow itself. A persistent
+        # straggler's lateness is not GC time, so it stays theirs.
+        gc_pauses,
         locality,
         persistent_or_late_start,
         host_oversubscription,
@@ -69,8 +109,23 @@ def diagnose(
         sync_amplification,
     )
     for check in checks:
-        findings.extend(check(run, explained))
+        # A finding below the worth-acting-on floor explains nothing: its ranks stay open to the later
+        # checks (with two ranks, one is last in about half the steps whatever the cause, and a minor
+        # persistent-straggler reading must not hide synchronization amplification).
+        newly = set(explained)
+        found = check(run, newly)
+        findings.extend(found)
+        newly -= explained
+        if found:
+            newly &= {r for f in found if run.worth_acting_on(f) for r in f.ranks}
+        explained |= newly
     notes += run.notes
+    rebalanced = rebalance_outcome(a)
+    if rebalanced is not None:
+        notes.append(rebalanced.text())
+        for f in findings:
+            if f.mode is Mode.PERSISTENT_STRAGGLER:
+                f.details["rebalanced"] = rebalanced.to_dict()
     minor = [f for f in findings if not run.worth_acting_on(f)]
     findings = [f for f in findings if run.worth_acting_on(f)]
     for f in minor:
@@ -136,6 +191,8 @@ def diagnose(
         "pacing_active_share": float(a.pacing_active.mean()),
         "oversubscribed_hosts": [h.host for h in run.crowded],
     }
+    if rebalanced is not None:
+        stats["rebalance"] = rebalanced.to_dict()
     head = findings[0]
     summary = (
         f"{head.mode.value.replace('_', ' ')}: {head.evidence}"

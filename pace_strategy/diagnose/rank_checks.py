@@ -9,6 +9,7 @@ import numpy as np
 
 __all__ = ["data_stall", "host_oversubscription", "locality", "persistent_or_late_start"]
 
+from pace_strategy.diagnose.rebalance import per_sample_text, rebalance_outcome
 from pace_strategy.diagnose.result import Finding, Mode, pct
 from pace_strategy.diagnose.run_stats import (
     EPSILON,
@@ -164,11 +165,9 @@ def persistent_or_late_start(run: RunStats, explained: set[int]) -> list[Finding
                         f"{run.a.describe_rank(r)} arrived last in {pct(float(run.share[r]))} of "
                         f"{run.S:,} steps, {late:.1f} ms late at the median; its own compute took "
                         f"{compute_late:.1f} ms longer than the other ranks' median"
+                        f"{per_sample_text(run.a, r, mask)}"
                     ),
-                    action=(
-                        "this rank's local work is slow: check its device (clocks, throttling, ECC), other "
-                        "processes on its host, its input; pacing the others cannot shorten its steps"
-                    ),
+                    action=_straggler_action(run),
                 )
             )
         else:
@@ -205,6 +204,29 @@ def persistent_or_late_start(run: RunStats, explained: set[int]) -> list[Finding
                 )
             )
     return out
+
+
+def _straggler_action(run: RunStats) -> str:
+    """What to do about a persistent compute straggler, given what rebalancing did in the run."""
+    local = (
+        "this rank's local work is slow: check its device (clocks, throttling, ECC), other processes "
+        "on its host, its input; pacing the others cannot shorten its steps"
+    )
+    outcome = rebalance_outcome(run.a)
+    if outcome is None:
+        return (
+            f"{local}. If its work scales with samples, rebalancing can: PacingConfig(rebalance=True) "
+            "gives it a smaller share of the same global batch, kept only while the step is shorter "
+            "(docs/rebalancing.md)"
+        )
+    if outcome.samples is not None:
+        return f"{local}; rebalancing already gives it a smaller share (see the rebalanced note)"
+    if outcome.fixed_cost:
+        return (
+            f"{local}; rebalancing tried a smaller share and reverted it: its compute did not fall with "
+            "its samples, so the slowness is a fixed per-step cost (a sleep, a sync, a per-step transfer)"
+        )
+    return f"{local}; rebalancing was on and did not move samples ({outcome.text()})"
 
 
 def host_oversubscription(run: RunStats, explained: set[int]) -> list[Finding]:

@@ -19,6 +19,7 @@ class Mode(str, enum.Enum):
     FABRIC_CONTENTION = "fabric_contention"
     DATA_STALL = "data_stall"
     HOST_OVERSUBSCRIPTION = "host_oversubscription"
+    GC_PAUSES = "gc_pauses"
     UNEXPLAINED_SKEW = "unexplained_skew"
     HEALTHY = "healthy"
 

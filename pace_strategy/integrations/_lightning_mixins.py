@@ -12,6 +12,7 @@ protocol and, in each concrete class, the mixin against that package's real meth
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -70,11 +71,21 @@ class _StrategyHooks(Protocol):
         self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0
     ) -> Any: ...
     def process_dataloader(self, dataloader: object) -> object: ...
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor: ...
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: nn.Module | None = None, **kwargs: Any
     ) -> Any: ...
     def on_validation_start(self) -> None: ...
+    def on_train_start(self) -> None: ...
     def on_train_end(self) -> None: ...
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], storage_options: Any | None = None
+    ) -> None: ...
+    def load_checkpoint(
+        self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None
+    ) -> dict[str, Any]: ...
     def on_exception(self, exception: BaseException) -> None: ...
     def teardown(self) -> None: ...
 
@@ -132,8 +143,19 @@ class PacedStrategyMixin(_StrategyBase):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = cast(_StrategyHooks, super()).process_dataloader(dataloader)
+        dataloader = self.pacing.prepare_dataloader(dataloader)  # rebalancing's batch sampler
         self.pacing.time_dataloader(dataloader)
         return dataloader
+
+    @override
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        # Automatic and manual optimization both backward through here: the one place to scale the
+        # loss by the rank's share when rebalancing (the loss the module logs stays its own).
+        scaled = self.pacing.scale_loss(closure_loss)
+        output = cast(_StrategyHooks, super()).backward(scaled, optimizer, *args, **kwargs)
+        return output if scaled is closure_loss else closure_loss
 
     @override
     def optimizer_step(
@@ -149,9 +171,31 @@ class PacedStrategyMixin(_StrategyBase):
         cast(_StrategyHooks, super()).on_validation_start()
 
     @override
+    def on_train_start(self) -> None:
+        # Lightning has just installed its SIGTERM handler: ours replaces it while training runs.
+        self.pacing.guard_sigterm()
+        cast(_StrategyHooks, super()).on_train_start()
+
+    @override
     def on_train_end(self) -> None:
         self.pacing.finish()
         cast(_StrategyHooks, super()).on_train_end()
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | os.PathLike[str], storage_options: Any | None = None
+    ) -> None:
+        # Every checkpoint Lightning writes (ModelCheckpoint, trainer.save_checkpoint) passes here.
+        self.pacing.save_state(checkpoint)
+        cast(_StrategyHooks, super()).save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        checkpoint = cast(_StrategyHooks, super()).load_checkpoint(checkpoint_path, weights_only)
+        self.pacing.load_state(checkpoint, checkpoint_path)
+        return checkpoint
 
     @override
     def on_exception(self, exception: BaseException) -> None:

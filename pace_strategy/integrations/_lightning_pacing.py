@@ -9,14 +9,17 @@ against it.
 Switching ``ddp`` for ``paced_ddp`` changes nothing a user can see but the ``pace/`` tags and the run
 record, and those only where Lightning itself writes: no session under ``fast_dev_run`` or with one
 process (unless a run directory is asked for), and the record in the logger's ``log_dir`` (see
-:func:`_record_dir`).
+:func:`_record_dir`). Two more things it does: checkpoints carry the pacing state under
+``"pace_strategy"`` (restored by ``trainer.fit(ckpt_path=...)``), and SIGTERM during training is
+handled without a collective in the signal handler (:meth:`StrategyPacing.guard_sigterm`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+import signal
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
@@ -27,9 +30,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
+from pace_strategy.core.state import CHECKPOINT_KEY
 from pace_strategy.hooks.ddp import CommHook, attach_paced_ddp
+from pace_strategy.integrations._preemption import SigtermHandler
 from pace_strategy.integrations.accelerate.env import RUN_DIR_ENV, run_dir_from_env
 from pace_strategy.integrations.data import loader_workers, time_dataloader
+from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance
 from pace_strategy.session import MetricsSink, PacingSession
 
 __all__ = [
@@ -127,7 +133,14 @@ class StrategyPacing:
             )
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.session: PacingSession | None = None  #: this rank's session, while one runs
+        #: the rebalanced training data (``rebalance=True`` with a session, DDP only)
+        self.rebalance: DataRebalance | None = None
         self._strategy = strategy
+        #: a checkpoint's state loaded before the session started: (state or None, step, path)
+        self._loaded: tuple[Mapping[str, Any] | None, int | None, str | None] | None = None
+        self.received_sigterm = False  #: SIGTERM arrived while this strategy trained
+        self._sigterm: SigtermHandler | None = None
+        self._sigterm_before: object = None  # the SIGTERM handler before Lightning installed its own
 
     def start(self) -> PacingSession | None:
         """Start this rank's session: collective on every rank (its own side group), with telemetry
@@ -163,6 +176,11 @@ class StrategyPacing:
             local_rank=strategy.local_rank,
         )
         self.session = session
+        if self._loaded is not None:  # the checkpoint was loaded first (DDP restores before setup)
+            state, step, path = self._loaded
+            session.load_state_dict(state, source=path, step=step)
+        # Lightning installs its SIGTERM handler after setup, chaining what it finds; remember that.
+        self._sigterm_before = signal.getsignal(signal.SIGTERM)
         if strategy.global_rank == 0:
             log.info(
                 "pace_strategy: %s mode, exchange every %d steps, run record %s",
@@ -171,6 +189,73 @@ class StrategyPacing:
                 session.record_path or "off",
             )
         return session
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_state(self, checkpoint: MutableMapping[str, Any]) -> None:
+        """Add the pacing state to a checkpoint Lightning is about to write, under
+        ``"pace_strategy"`` (every rank holds the same state; rank 0's file is the one written).
+        Without a session, a state restored into this strategy is carried on unchanged."""
+        step = checkpoint.get("global_step")
+        if self.session is not None:
+            checkpoint[CHECKPOINT_KEY] = self.session.state_dict(step if isinstance(step, int) else -1)
+        elif self._loaded is not None and self._loaded[0] is not None:
+            checkpoint[CHECKPOINT_KEY] = dict(self._loaded[0])
+
+    def load_state(self, checkpoint: Mapping[str, Any], path: str | os.PathLike[str] | None) -> None:
+        """A checkpoint was loaded (``trainer.fit(ckpt_path=...)``, before or after the session
+        started): restore the pacing state from it, now or when the session starts. A checkpoint
+        without ``"pace_strategy"`` (written by another strategy) restores nothing, with one info line."""
+        state = checkpoint.get(CHECKPOINT_KEY)
+        step = checkpoint.get("global_step")
+        source = None if path is None else os.fspath(path)
+        if state is None and self._strategy.global_rank == 0:
+            log.info("pace_strategy: checkpoint %s has no pacing state: the controller starts fresh", source)
+        self._loaded = (state, step if isinstance(step, int) else None, source)
+        if self.session is not None:
+            self.session.load_state_dict(state, source=source, step=self._loaded[1])
+
+    # ------------------------------------------------------------------ SIGTERM
+    def guard_sigterm(self) -> None:
+        """Training starts (Lightning has installed its SIGTERM handler): take SIGTERM over from it
+        until teardown, without its collective.
+
+        Lightning 2.6's handler broadcasts a tensor on the default process group *inside* the signal
+        handler. When every rank is signalled (a scheduler's preemption), each rank runs that
+        broadcast wherever the signal found it, one rank's broadcast meets the other's DDP
+        all-reduce, and the job deadlocks until the process-group timeout (seen here with 2 gloo
+        ranks; Lightning-AI/pytorch-lightning#20825 added the broadcast). This handler does the rest of
+        what Lightning's does, locally: it forwards the signal to the launcher's child processes once,
+        and sets the trainer's ``received_sigterm``, so that Lightning's own per-step check (a
+        broadcast from rank 0 at the start of each step, in step order on every rank) stops every
+        rank with ``SIGTERMException`` at the same step. A handler that was installed before
+        Lightning's still runs after ours, as under Lightning.
+        """
+        if self.session is None or self._strategy.world_size < 2 or self._sigterm is not None:
+            return
+        before = self._sigterm_before
+        self._sigterm = SigtermHandler(
+            self._on_sigterm, chain_to=before if callable(before) else signal.SIG_IGN
+        )
+        self._sigterm.install()
+
+    def _on_sigterm(self, signum: int) -> None:
+        self.received_sigterm = True
+        module = self._strategy.lightning_module
+        trainer: Any = None if module is None else module.trainer
+        # The one place Lightning's private signal connector is touched: Trainer.received_sigterm is
+        # read-only. tests/integration/test_preempt_resume.py fails when it moves.
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is None or not connector.received_sigterm:
+            launcher: Any = getattr(self._strategy, "launcher", None)
+            if launcher is not None:
+                launcher.kill(signum)  # the popen launcher's children, as Lightning's handler does
+            log.info(
+                "[rank %d/%d] pace_strategy: SIGTERM: training stops at Lightning's next step check",
+                self._strategy.global_rank,
+                self._strategy.world_size,
+            )
+        if connector is not None:
+            connector.received_sigterm = True
 
     def attach_ddp(self, user_hook: UserCommHook) -> None:
         """Start the session and monitor the just-wrapped DDP model; the user's hook (if any) keeps
@@ -181,6 +266,9 @@ class StrategyPacing:
         session = self.start()
         if session is not None:
             attach_paced_ddp(model, session.pacer, inner_hook, user_hook.state)
+            if self.config.rebalance:
+                self.rebalance = self._data_rebalance(session)
+                session.register_state(STATE_NAME, self.rebalance)
         elif inner_hook is not None:
             model.register_comm_hook(state=user_hook.state, hook=inner_hook)
 
@@ -191,9 +279,41 @@ class StrategyPacing:
 
         model = self._strategy.model
         assert model is not None, "ModelParallelStrategy.setup keeps the (sharded) model"
+        if self.config.rebalance:
+            raise PacingConfigError(
+                "rebalance=True is supported with paced_ddp (and paced_ddp_spawn), not paced_fsdp yet; "
+                "use paced_ddp or set rebalance=False."
+            )
         session = self.start()
         if session is not None:
             register_paced_collectives(model, session.pacer)
+
+    def _data_rebalance(self, session: PacingSession) -> DataRebalance:
+        module = self._strategy.lightning_module
+        assert module is not None, "a strategy is set up with its LightningModule"
+        trainer = module.trainer
+        return DataRebalance(
+            session.pacer,
+            self._strategy.global_rank,
+            self._strategy.world_size,
+            step_source=lambda: trainer.global_step,
+            framework_prefetch=1,  # the fit loop's data fetcher holds one batch ahead
+            micro_batches=int(getattr(trainer, "accumulate_grad_batches", 1)),
+        )
+
+    def prepare_dataloader(self, dataloader: object) -> object:
+        """The training loader, rebuilt around the rebalancing batch sampler when rebalancing (the
+        loaders of validation and the others are left as they are)."""
+        if self.rebalance is not None and self._training() is not None:
+            return self.rebalance.replace(dataloader)
+        return dataloader
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss the strategy backwards: times this rank's share factor while rebalancing
+        (:func:`~pace_strategy.data.share_loss_scale`), else ``loss`` itself."""
+        if self.rebalance is not None and self._training() is not None:
+            return self.rebalance.scale(loss)
+        return loss
 
     def _training(self) -> _Trainer | None:
         module = self._strategy.lightning_module
@@ -205,6 +325,8 @@ class StrategyPacing:
         """A training batch goes to the device: the step starts, at the trainer's global step."""
         if self.session is not None and (trainer := self._training()) is not None:
             self.session.pacer.begin_step(trainer.global_step)
+            if self.rebalance is not None:
+                self.rebalance.begin_batch()
 
     def time_dataloader(self, dataloader: object) -> None:
         """Count the time a training loader's iterators block as this rank's data wait (only while
@@ -217,6 +339,8 @@ class StrategyPacing:
         """The optimizer stepped: the step ends (and a window may be exchanged)."""
         if self.session is not None:
             self.session.end_step()
+        if self.rebalance is not None:
+            self.rebalance.end_step()
 
     def interrupt(self) -> None:
         """Validation starts: the step in progress, if any, is not a training step."""
@@ -229,15 +353,26 @@ class StrategyPacing:
             self.session.finish()
 
     def fail(self, error: BaseException) -> None:
-        """Training raised: record the failure and close locally (no collective)."""
-        if self.session is not None:
+        """Training raised: record the failure and close locally (no collective). After a SIGTERM
+        (Lightning's ``SIGTERMException``, or any error once the signal came: a peer that stopped
+        first), the record is closed as ``terminated`` instead."""
+        if self.session is None:
+            return
+        if self.received_sigterm or type(error).__name__ == "SIGTERMException":
+            self.session.terminate(f"SIGTERM ({type(error).__name__} in training)")
+        else:
             self.session.fail(error)
 
     def close(self) -> None:
-        """Teardown: close a session that training did not finish (stopped early, or never trained)."""
+        """Teardown: close a session that training did not finish (stopped early, or never trained),
+        and give SIGTERM back to Lightning's handler."""
+        if self._sigterm is not None:
+            self._sigterm.remove()
+            self._sigterm = None
         if self.session is not None:
             self.session.close()
         self.session = None
+        self._loaded = None
 
 
 @dataclass(frozen=True)

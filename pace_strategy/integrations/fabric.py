@@ -37,6 +37,7 @@ from pace_strategy.integrations._lightning_mixins import StrategyRegistry, regis
 from pace_strategy.integrations._lightning_pacing import PacingArg, as_pacing_config
 from pace_strategy.integrations.accelerate.env import RUN_DIR_ENV, run_dir_from_env
 from pace_strategy.integrations.data import loader_workers, time_dataloader
+from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance
 from pace_strategy.session import MetricsSink, PacingSession
 
 __all__ = ["FabricPacing", "PacedFabricDDPStrategy", "finish_pacing", "register_fabric_strategies"]
@@ -64,6 +65,8 @@ class FabricPacing:
         self.session: PacingSession | None = None  #: ``None`` before setup and without monitoring
         self._model: DistributedDataParallel | None = None
         self._loader_workers: list[int | None] = []  #: of the loaders set up so far
+        #: the rebalanced training data (``rebalance=True``, two or more processes)
+        self.rebalance: DataRebalance | None = None
 
     def attach(self, model: DistributedDataParallel, strategy: DDPStrategy, fabric: Fabric | None) -> None:
         """Start the session (collective on every rank) and monitor ``model``; only the first model
@@ -97,6 +100,9 @@ class FabricPacing:
         for workers in self._loader_workers:
             session.note_dataloader_workers(workers)
         attach_paced_ddp(model, session.pacer)
+        if self.rebalance is not None:  # its loader was set up before the model
+            self.rebalance.attach(session.pacer)
+            session.register_state(STATE_NAME, self.rebalance)
         model.register_forward_pre_hook(self._forward)
         _OPEN.add(self)
         _close_open_sessions_at_exit()
@@ -131,6 +137,35 @@ class FabricPacing:
 
     def _batch_ready(self, session: PacingSession) -> None:
         session.pacer.begin_step(session.pacer.steps_seen)
+        if self.rebalance is not None:
+            self.rebalance.begin_batch()
+
+    def prepare_dataloader(self, dataloader: DataLoader[Any], strategy: DDPStrategy) -> DataLoader[Any]:
+        """With ``rebalance=True`` on two or more processes: ``dataloader`` rebuilt around the
+        rebalancing batch sampler (every loader set up is taken for a training loader: set up
+        evaluation loaders with ``use_distributed_sampler=False`` or through another strategy)."""
+        if not self.config.rebalance or strategy.world_size < 2:
+            return dataloader
+        if self.rebalance is None:
+            self.rebalance = DataRebalance(
+                self.session.pacer if self.session is not None else None,
+                strategy.global_rank,
+                strategy.world_size,
+                step_source=lambda: self.session.pacer.steps_seen if self.session is not None else 0,
+                framework_prefetch=0,  # Fabric's loader wrapper fetches nothing ahead
+            )
+            if self.session is not None:
+                self.session.register_state(STATE_NAME, self.rebalance)
+        replaced = self.rebalance.replace(dataloader)
+        assert isinstance(replaced, DataLoader)
+        return replaced
+
+    def scale_loss(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor ``fabric.backward`` differentiates, times this rank's share factor while
+        rebalancing a training step."""
+        if self.rebalance is not None and self._live() is not None:
+            return self.rebalance.scale(tensor)
+        return tensor
 
     def time_dataloader(self, dataloader: DataLoader[Any]) -> None:
         """Count the time ``dataloader``'s iterators block, while training, as data wait, and note
@@ -144,6 +179,8 @@ class FabricPacing:
         """The optimizer stepped: the step ends (and a window may be exchanged)."""
         if self.session is not None and not self.session.finished:
             self.session.end_step()
+        if self.rebalance is not None:
+            self.rebalance.end_step()
 
     def finish(self) -> None:
         """The normal end of training (collective: every rank): exchange and log the last steps,
@@ -204,8 +241,13 @@ class PacedFabricDDPStrategy(DDPStrategy):
     @override
     def process_dataloader(self, dataloader: DataLoader[Any]) -> DataLoader[Any]:
         dataloader = super().process_dataloader(dataloader)
+        dataloader = self.pacing.prepare_dataloader(dataloader, self)  # rebalancing's batch sampler
         self.pacing.time_dataloader(dataloader)
         return dataloader
+
+    @override
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        super().backward(self.pacing.scale_loss(tensor), module, *args, **kwargs)
 
     @override
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:

@@ -69,6 +69,26 @@ def _table(rows: list[dict[str, Any]], title: str) -> str:
     lines.append(
         "throughput in rank-steps/s; ratio = paced/plain; scal.eff = per-rank throughput vs the first row"
     )
+    if rows and "throughput_gc_sync" in rows[0]:
+        lines += ["", _gc_table(rows)]
+    return "\n".join(lines)
+
+
+def _gc_table(rows: list[dict[str, Any]]) -> str:
+    """What synchronized collection (compute.gc_sync) does at each size, against the unpaced run."""
+    head = (
+        f"{'nodes':>6} {'ranks':>6} {'waiting plain':>14} {'waiting gc_sync':>16} {'thrpt gc_sync':>14} "
+        f"{'gc_sync/plain':>14} {'p99 gc_sync':>12}"
+    )
+    lines = ["GC pauses, each rank at its own steps (plain) or all at the same steps (gc_sync):", head]
+    lines.append("-" * len(head))
+    for r in rows:
+        lines.append(
+            f"{r['nodes']:>6} {r['ranks']:>6} {r['lost_fraction_plain']:>14.1%} "
+            f"{r['lost_fraction_gc_sync']:>16.1%} {r['throughput_gc_sync']:>14.1f} "
+            f"{r['gc_sync_throughput_ratio']:>14.4f} {r['p99_ms_gc_sync']:>10.1f}ms"
+        )
+    lines.append("waiting = share of step time ranks spend waiting at the sync point; no pacing in either")
     return "\n".join(lines)
 
 

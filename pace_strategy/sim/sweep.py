@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ def model_draws(cfg: SimConfig, nodes: int) -> Callable[[int, int], WindowDraws]
             compute = compute + hit * rng.exponential(c.transient_ms, (k, ranks))
         if c.data_stall_probability > 0:
             compute = compute + (rng.random((k, ranks)) < c.data_stall_probability) * c.data_stall_ms
+        compute = compute + c.gc_pauses_ms(rng, k, ranks)
         net = cfg.network
         if net.background_load > 0:
             sd = net.background_cv * net.background_load
@@ -79,13 +81,15 @@ class SweepRow:
     paced: RunResult
     efficiency_plain: float  #: throughput per rank relative to the first row (linear scaling = 1)
     efficiency_paced: float
+    #: the unpaced run again with ``compute.gc_sync`` on (same draws), where the model has GC pauses
+    gc_sync: RunResult | None = None
 
     @property
     def throughput_ratio(self) -> float:
         return self.paced.throughput / self.plain.throughput
 
     def to_dict(self) -> dict[str, float | int | str]:
-        return {
+        row: dict[str, float | int | str] = {
             "nodes": self.nodes,
             "ranks": self.ranks,
             "throughput_plain": self.plain.throughput,
@@ -103,6 +107,17 @@ class SweepRow:
             "mean_delay_ms": self.paced.mean_delay_ms,
             "controller": self.paced.last_reason,
         }
+        if self.gc_sync is not None:
+            row["throughput_gc_sync"] = self.gc_sync.throughput
+            row["gc_sync_throughput_ratio"] = self.gc_sync.throughput / self.plain.throughput
+            row["p99_ms_gc_sync"] = self.gc_sync.p99_ms
+            row["lost_fraction_plain"] = self.plain.lost_fraction
+            row["lost_fraction_gc_sync"] = self.gc_sync.lost_fraction
+        return row
+
+
+def _with_gc_sync(cfg: SimConfig) -> SimConfig:
+    return dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, gc_sync=True))
 
 
 def sweep(cfg: SimConfig, progress: Callable[[str], None] | None = None) -> list[SweepRow]:
@@ -112,9 +127,14 @@ def sweep(cfg: SimConfig, progress: Callable[[str], None] | None = None) -> list
     for i, nodes in enumerate(cfg.nodes):
         plain = simulate(cfg, nodes, paced=False)
         paced = simulate(cfg, nodes, paced=True)
+        synced = None
+        if cfg.compute.gc_pause_probability > 0 and not cfg.compute.gc_sync:
+            synced = simulate(_with_gc_sync(cfg), nodes, paced=False)
         per_rank = (plain.throughput / plain.ranks, paced.throughput / paced.ranks)
         first = first or per_rank[0]
-        rows.append(SweepRow(nodes, plain.ranks, plain, paced, per_rank[0] / first, per_rank[1] / first))
+        rows.append(
+            SweepRow(nodes, plain.ranks, plain, paced, per_rank[0] / first, per_rank[1] / first, synced)
+        )
         if progress is not None:
             progress(f"[{i + 1}/{len(cfg.nodes)}] {nodes} nodes ({plain.ranks} ranks) done")
     return rows

@@ -1,8 +1,11 @@
 """The run record: rank 0's full per-rank, per-step JSON-lines file for offline diagnosis (schema v1).
 
 Lines, in order: one ``header`` (schema, world size, config, topology), then ``step`` and ``decision``
-lines as windows arrive, then one ``end`` line. Each window is flushed to disk, so a crash loses at
-most the window in flight; a reader tolerates a truncated last line. The file (and its directory) is
+lines as windows arrive (and a ``hang`` line where the hang watchdog named ranks, a ``shares`` line
+where the rebalancing controller changed state or split), then one ``end`` line; a resumed run has
+a ``resume`` line right after the header, a preempted one ``local_step`` lines before its ``end``.
+Each window is flushed to disk, so a crash loses at most the window in flight; a reader tolerates a
+truncated last line. The file (and its directory) is
 created at the first write, not when the writer is built: a run that writes nothing leaves nothing.
 See docs/telemetry.md.
 """
@@ -12,17 +15,22 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from pace_strategy.core.glossary import coefficient_of_variation
-from pace_strategy.core.records import Decision, StepSummary
+from pace_strategy.core.records import Decision, Field, StepSummary
+
+if TYPE_CHECKING:  # the reader (pace diagnose) does not import torch
+    from pace_strategy.core.rebalance import RebalanceDecision
 
 __all__ = [
     "RECORD_FILENAME",
@@ -32,14 +40,46 @@ __all__ = [
     "RunRecordError",
     "RunRecordWriter",
     "RunSummary",
+    "attempt_number",
+    "attempt_records",
+    "hang_text",
     "iter_run_record",
     "read_run_record",
+    "record_filename",
     "summarize",
 ]
 
 SCHEMA = "pace_strategy/run-record"
 SCHEMA_VERSION = 1
 RECORD_FILENAME = "pace_run.jsonl"
+
+
+def record_filename(restart_count: int = 0) -> str:
+    """The record's file name for an attempt of the job: ``pace_run.jsonl`` for the first,
+    ``pace_run.restart{k}.jsonl`` after the k-th elastic restart (so that no attempt overwrites an
+    earlier one's record in the same directory)."""
+    return RECORD_FILENAME if restart_count <= 0 else f"pace_run.restart{restart_count}.jsonl"
+
+
+_ATTEMPT = re.compile(r"pace_run(?:\.restart(\d+))?\.jsonl")
+
+
+def attempt_number(name: str) -> int | None:
+    """The restart count in a record's file name (:func:`record_filename`'s inverse), or ``None``."""
+    match = _ATTEMPT.fullmatch(name)
+    if match is None:
+        return None
+    return int(match.group(1) or 0)
+
+
+def attempt_records(directory: str | os.PathLike[str]) -> list[Path]:
+    """The records of a job's attempts in ``directory``, the first attempt first."""
+    found = []
+    for path in Path(directory).glob("pace_run*.jsonl"):
+        number = attempt_number(path.name)
+        if number is not None and path.is_file():
+            found.append((number, path))
+    return [path for _, path in sorted(found)]
 
 
 class RunRecordError(ValueError):
@@ -91,9 +131,28 @@ def step_line(s: StepSummary) -> dict[str, Any]:
     return line
 
 
+#: the exchanged row's columns that a ``local_step`` line names (every column but the three below)
+_LOCAL_COLUMNS = tuple(f for f in Field if f not in (Field.STEP, Field.VALID, Field.WARMUP))
+
+
+def local_step_line(rank: int, row: Sequence[float]) -> dict[str, Any]:
+    """The JSON object for one step that only ``rank`` measured: the run ended (preempted) before
+    the step was exchanged, so the other ranks' numbers are not known. Columns as the ``ranks``
+    lists of a ``step`` line, named after :class:`~pace_strategy.core.records.Field`."""
+    line: dict[str, Any] = {
+        "record": "local_step",
+        "rank": rank,
+        "step": int(row[Field.STEP]),
+        "valid": bool(row[Field.VALID]),
+        "warmup": bool(row[Field.WARMUP]),
+    }
+    line.update((f.name.lower(), _clean(row[f])) for f in _LOCAL_COLUMNS)
+    return line
+
+
 def decision_line(d: Decision, after_step: int) -> dict[str, Any]:
-    """The JSON object written for one controller decision."""
-    return {
+    """The JSON object written for one controller decision (``gc_collect`` only when gc_sync decided one)."""
+    line = {
         "record": "decision",
         "window": d.window,
         "after_step": after_step,
@@ -103,6 +162,29 @@ def decision_line(d: Decision, after_step: int) -> dict[str, Any]:
         "reason": d.reason,
         "baseline_step_ms": d.baseline_step_ms,
         "paced_step_ms": d.paced_step_ms,
+    }
+    if d.gc_collect is not None:
+        line["gc_collect"] = {
+            "after_step": d.gc_collect.after_step,
+            "due": [round(v, 3) for v in d.gc_collect.due],
+        }
+    return line
+
+
+def shares_line(d: RebalanceDecision, after_step: int) -> dict[str, Any]:
+    """The JSON object written when the rebalancing controller changes state or split: ``samples`` is
+    the split (per-rank samples per step) in effect or, with ``from_step``, scheduled from that step."""
+    return {
+        "record": "shares",
+        "window": d.window,
+        "after_step": after_step,
+        "state": d.state.value,
+        "samples": list(d.shares),
+        "from_step": d.from_step,
+        "reason": d.reason,
+        "baseline_step_ms": d.baseline_step_ms,
+        "trial_step_ms": d.trial_step_ms,
+        "per_sample_ms": _cleans(d.per_sample_ms),
     }
 
 
@@ -123,9 +205,14 @@ class RunRecordWriter:
         extra: Mapping[str, Any] | None = None,
     ) -> None:
         self.path = Path(path)
+        # The hang watchdog writes from its own thread while the telemetry thread may write a window.
+        self._lock = threading.Lock()
         self._file: IO[str] | None = None
         self._closed = False
         self.steps_written = 0
+        self.local_steps_written = 0  #: ``local_step`` lines (a preempted run's unexchanged steps)
+        #: lines that go right after the header (a resumed run's ``resume`` line), however late they come
+        self._after_header: list[Mapping[str, Any]] = []
         header = {
             "record": "header",
             "schema": SCHEMA,
@@ -151,12 +238,21 @@ class RunRecordWriter:
         """Whether the file exists: something was written to it."""
         return self._header is None
 
-    def write_window(self, summaries: Iterable[StepSummary], decision: Decision | None) -> None:
+    def write_window(
+        self,
+        summaries: Iterable[StepSummary],
+        decision: Decision | None,
+        rebalance: RebalanceDecision | None = None,
+    ) -> None:
+        """Append a window's step lines, its decision line and, when the rebalancing controller changed
+        state or split, a ``shares`` line."""
         lines = [step_line(s) for s in summaries]
         self.steps_written += len(lines)
+        last = lines[-1]["step"] if lines else -1
         if decision is not None:
-            last = lines[-1]["step"] if lines else -1
             lines.append(decision_line(decision, last))
+        if rebalance is not None and rebalance.changed:
+            lines.append(shares_line(rebalance, last))
         self._write(lines)
 
     def close(
@@ -178,20 +274,50 @@ class RunRecordWriter:
         if not self.created and not create:
             return
         end = {"record": "end", "status": status, "error": error, "steps": self.steps_written}
+        if self.local_steps_written:
+            end["local_steps"] = self.local_steps_written
         end.update(extra or {})
         self._write([end], closing=True)
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def add_after_header(self, obj: Mapping[str, Any]) -> None:
+        """A line that belongs right after the header (the ``resume`` line): kept, and serialized at
+        the first write, until the file exists (so a run that writes nothing still leaves nothing);
+        appended at once after that."""
+        with self._lock:
+            if self._header is not None:
+                self._after_header.append(obj)
+                return
+        self.write_line(obj)
+
+    def write_local_steps(self, rank: int, rows: Iterable[Sequence[float]]) -> None:
+        """Append one ``local_step`` line per row (steps ``rank`` measured but never exchanged)."""
+        lines = [local_step_line(rank, row) for row in rows]
+        self.local_steps_written += len(lines)
+        self._write(lines)
+
+    def write_line(self, obj: Mapping[str, Any]) -> None:
+        """Append one line of another kind (a ``hang`` line); ignored once the record is closed."""
+        with self._lock:
+            if not self._closed:
+                self._write_locked([obj], closing=False)
 
     def _write(self, objs: Iterable[Mapping[str, Any]], *, closing: bool = False) -> None:
+        with self._lock:
+            self._write_locked(objs, closing=closing)
+
+    def _write_locked(self, objs: Iterable[Mapping[str, Any]], *, closing: bool) -> None:
         if self._closed and not closing:
             raise RuntimeError(f"run record {self.path} is already closed")
         if self._header is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("w", encoding="utf-8")
-            objs = [self._header, *objs]
+            objs = [self._header, *self._after_header, *objs]
             self._header = None
+            self._after_header = []
         assert self._file is not None, "the file is open from the first write to close"
         self._file.write("".join(json.dumps(o, separators=(",", ":")) + "\n" for o in objs))
         self._file.flush()
@@ -207,17 +333,31 @@ class RunRecord:
     decisions: list[dict[str, Any]] = field(default_factory=list)
     end: dict[str, Any] | None = None
     truncated: bool = False  #: the last line was cut off (a crashed run); it was skipped
+    hangs: list[dict[str, Any]] = field(default_factory=list)  #: the hang watchdog's verdicts
+    #: a resumed run's ``resume`` line (the step it resumed at, what was restored, from where)
+    resume: dict[str, Any] | None = None
+    #: ``local_step`` lines: steps rank 0 measured alone before a preemption, never exchanged
+    local_steps: list[dict[str, Any]] = field(default_factory=list)
+    #: ``shares`` lines: every change of the rebalancing controller's state or split
+    shares: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:
         return int(self.header["world_size"])
 
+    @property
+    def restart_count(self) -> int:
+        """Elastic restarts before the attempt that wrote this record (0: the first attempt)."""
+        return int(self.header.get("restart_count", 0))
+
 
 def read_run_record(path: str | os.PathLike[str]) -> RunRecord:
-    """Read a run record (a file, or a directory holding ``pace_run.jsonl``)."""
+    """Read a run record (a file, or a directory holding ``pace_run.jsonl``; of a directory holding
+    several attempts of a restarted job, the latest attempt's)."""
     p = Path(path)
     if p.is_dir():
-        p = p / RECORD_FILENAME
+        attempts = attempt_records(p)
+        p = attempts[-1] if attempts else p / RECORD_FILENAME
     if not p.is_file():
         raise RunRecordError(
             f"no run record at {p}: expected the {RECORD_FILENAME} that paced training writes"
@@ -230,6 +370,14 @@ def read_run_record(path: str | os.PathLike[str]) -> RunRecord:
             record.steps.append(obj)
         elif kind == "decision":
             record.decisions.append(obj)
+        elif kind == "hang":
+            record.hangs.append(obj)
+        elif kind == "resume":
+            record.resume = obj
+        elif kind == "local_step":
+            record.local_steps.append(obj)
+        elif kind == "shares":
+            record.shares.append(obj)
         elif kind == "end":
             record.end = obj
         elif kind == TRUNCATED:
@@ -246,7 +394,8 @@ def iter_run_record(p: Path) -> Iterator[dict[str, Any]]:
 
     A cut-off last line (a crash mid-write; everything before it is intact) ends the iteration with
     ``{"record": "truncated"}``. Any other unreadable line, a missing header, a newer schema version
-    or a known line (``header``, ``step``, ``decision``, ``end``) without a field that readers use,
+    or a known line (``header``, ``step``, ``decision``, ``hang``, ``resume``, ``local_step``, ``end``)
+    without a field that readers use,
     or with a value of the wrong type, raises ``RunRecordError`` naming the line and the field. Lines
     of other kinds are passed through unchecked (what a later writer may add).
     """
@@ -330,6 +479,19 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
         "paced_step_ms": _NUMBER,
     },
     "end": {"status": _STR, "steps": _INT},
+    "hang": {"ranks": (list,), "step": _INT, "waited_s": _NUMBER, "hosts": (list,)},
+    "resume": {"step": _INT, "restored": (list,), "from": (str, type(None))},
+    "local_step": {"rank": _INT, "step": _INT, "valid": _BOOL, "warmup": _BOOL, "step_ms": _NUMBER},
+    "shares": {
+        "window": _INT,
+        "after_step": _INT,
+        "state": _STR,
+        "samples": (list,),
+        "from_step": (int, type(None)),
+        "reason": _STR,
+        "baseline_step_ms": _NUMBER,
+        "trial_step_ms": _NUMBER,
+    },
 }
 _RANK_FIELDS = ("lead_ms", "compute_ms", "wait_ms", "delay_ms", "step_ms", "data_ms", "gap_ms")
 #: per-rank step fields added in later versions: checked when present (older records lack them)
@@ -372,6 +534,9 @@ def _check_header(p: Path, number: int, obj: Any) -> int:
     for key, kind in (("config", dict), ("topology", list)):
         if key in obj and type(obj[key]) is not kind:
             raise _bad_line(p, number, f"header field {key!r} is not {_TYPE_WORDS[kind]}")
+    restarts = obj.get("restart_count", 0)
+    if type(restarts) is not int or restarts < 0:
+        raise _bad_line(p, number, f"header field 'restart_count'={restarts!r} is not an integer >= 0")
     for entry in obj.get("topology", []):
         if type(entry) is not dict or type(entry.get("rank")) is not int:
             raise _bad_line(p, number, f"header 'topology' entry {entry!r} is not an object with a 'rank'")
@@ -390,6 +555,20 @@ def _check_line(p: Path, number: int, obj: Any, world_size: int) -> None:
     _check_fields(p, number, obj, fields)
     if kind == "decision" and not _are_numbers(obj["delays_ms"]):
         raise _bad_line(p, number, "decision field 'delays_ms' is not a list of numbers")
+    if kind == "shares" and (
+        len(obj["samples"]) != world_size or not all(type(n) is int and n > 0 for n in obj["samples"])
+    ):
+        raise _bad_line(
+            p, number, f"shares field 'samples' is not a list of {world_size} positive sample counts"
+        )
+    if kind == "resume" and not all(type(name) is str for name in obj["restored"]):
+        raise _bad_line(p, number, f"resume field 'restored'={obj['restored']!r} is not a list of names")
+    if kind == "local_step" and not 0 <= obj["rank"] < world_size:
+        raise _bad_line(p, number, f"local_step field 'rank'={obj['rank']} is not a rank of the {world_size}")
+    if kind == "hang" and not all(type(r) is int and 0 <= r < world_size for r in obj["ranks"]):
+        raise _bad_line(
+            p, number, f"hang field 'ranks'={obj['ranks']!r} is not a list of ranks of the {world_size}"
+        )
     if kind != "step":
         return
     for key in ("straggler_rank", "compute_straggler_rank"):
@@ -430,6 +609,8 @@ class RunSummary:
     delay_ms_mean_when_active: float
     final_state: str
     final_reason: str
+    hangs: tuple[str, ...] = ()  #: one :func:`hang_text` per ``hang`` line
+    restart_count: int = 0  #: elastic restarts before this attempt
 
     def table(self) -> str:
         """A short plain-text table."""
@@ -447,8 +628,24 @@ class RunSummary:
             ),
             ("controller", f"{self.final_state}: {self.final_reason}"),
         ]
+        rows += [("hang", text) for text in self.hangs]
+        if self.restart_count:
+            rows.append(("elastic restart", f"attempt {self.restart_count + 1} of the job"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows)
+
+
+def hang_text(line: Mapping[str, Any]) -> str:
+    """A ``hang`` line in words: ``rank 2 (host h) had not reached step 8 after 20 s``."""
+    ranks, hosts = list(line["ranks"]), list(line["hosts"])
+    if not ranks:
+        return f"step {line['step']} stood still on every rank"
+    named = ", ".join(
+        f"rank {r} (host {hosts[i]})" if i < len(hosts) else f"rank {r}" for i, r in enumerate(ranks)
+    )
+    waited = line["waited_s"]
+    after = f" after {waited:.0f} s" if isinstance(waited, (int, float)) else ""
+    return f"{named} had not reached step {line['step']}{after} (the other ranks were waiting for it)"
 
 
 def summarize(record: RunRecord) -> RunSummary:
@@ -478,4 +675,6 @@ def summarize(record: RunRecord) -> RunSummary:
         delay_ms_mean_when_active=statistics.fmean(delays) if delays else 0.0,
         final_state=str(last["state"]),
         final_reason=str(last["reason"]),
+        hangs=tuple(hang_text(h) for h in record.hangs),
+        restart_count=record.restart_count,
     )

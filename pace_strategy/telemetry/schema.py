@@ -5,7 +5,9 @@ from __future__ import annotations
 from pace_strategy.core.records import StepSummary
 
 __all__ = [
+    "BATCH_SHARE_PREFIX",
     "DELAY_MS_MAX",
+    "GC_MS_MAX",
     "LEAD_MS_PREFIX",
     "PACING_ACTIVE",
     "SKEW_MS",
@@ -15,6 +17,7 @@ __all__ = [
     "TAGS",
     "WAIT_MS_MAX",
     "WAIT_MS_MIN",
+    "batch_share_tag",
     "lead_tag",
     "step_metrics",
 ]
@@ -27,7 +30,10 @@ WAIT_MS_MIN = "pace/wait_ms_min"  #: smallest wait at the sync point (~ transfer
 WAIT_MS_MAX = "pace/wait_ms_max"  #: largest wait at the sync point, ms
 DELAY_MS_MAX = "pace/delay_ms_max"  #: largest pacing delay applied at this step, ms
 PACING_ACTIVE = "pace/pacing_active"  #: 1 while pacing is on, else 0
+GC_MS_MAX = "pace/gc_ms_max"  #: longest time any rank spent in the garbage collector in this step, ms
 LEAD_MS_PREFIX = "pace/lead_ms/rank_"  #: per-rank lead, ms: ``pace/lead_ms/rank_{r}``
+#: per-rank samples trained on in the step, with rebalancing: ``pace/batch_share/rank_{r}``
+BATCH_SHARE_PREFIX = "pace/batch_share/rank_"
 
 #: The fixed tags written every step (per-rank lead tags come in addition).
 TAGS: tuple[str, ...] = (
@@ -39,6 +45,7 @@ TAGS: tuple[str, ...] = (
     WAIT_MS_MAX,
     DELAY_MS_MAX,
     PACING_ACTIVE,
+    GC_MS_MAX,
 )
 
 
@@ -47,8 +54,16 @@ def lead_tag(rank: int) -> str:
     return f"{LEAD_MS_PREFIX}{rank}"
 
 
-def step_metrics(summary: StepSummary, per_rank_tag_limit: int) -> dict[str, float]:
-    """The tag -> value mapping logged for one step."""
+def batch_share_tag(rank: int) -> str:
+    """The per-rank batch-share tag of ``rank``."""
+    return f"{BATCH_SHARE_PREFIX}{rank}"
+
+
+def step_metrics(
+    summary: StepSummary, per_rank_tag_limit: int, *, batch_shares: bool = False
+) -> dict[str, float]:
+    """The tag -> value mapping logged for one step; ``batch_shares`` (rebalancing on) adds the
+    per-rank samples, where the step reported them."""
     metrics = {
         SKEW_MS: summary.skew_ms,
         STRAGGLER_RANK: float(summary.straggler_rank),
@@ -58,8 +73,12 @@ def step_metrics(summary: StepSummary, per_rank_tag_limit: int) -> dict[str, flo
         WAIT_MS_MAX: summary.wait_ms_max,
         DELAY_MS_MAX: summary.delay_ms_max,
         PACING_ACTIVE: 1.0 if summary.pacing_active else 0.0,
+        GC_MS_MAX: max(summary.gc_ms, default=0.0),
     }
     if len(summary.lead_ms) <= per_rank_tag_limit:
         for rank, value in enumerate(summary.lead_ms):
             metrics[lead_tag(rank)] = value
+        if batch_shares and any(summary.samples):
+            for rank, samples in enumerate(summary.samples):
+                metrics[batch_share_tag(rank)] = float(samples)
     return metrics

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # only a rank that is training places itself; readers of the record need no torch
     import torch
 
-__all__ = ["RankPlacement", "cpu_ranges", "local_placement", "parse_cpu_ranges"]
+__all__ = ["RankPlacement", "cpu_ranges", "elastic_restart_count", "local_placement", "parse_cpu_ranges"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,12 @@ def _env_int(*names: str) -> int:
         if value is not None and value.lstrip("-").isdigit():
             return int(value)
     return -1
+
+
+def elastic_restart_count() -> int:
+    """How many times torchrun (torch.distributed.run) has restarted this job's workers: 0 on the first
+    attempt and outside torchrun (``TORCHELASTIC_RESTART_COUNT``; the same on every rank)."""
+    return max(_env_int("TORCHELASTIC_RESTART_COUNT"), 0)
 
 
 def _cuda_numa_node(device: torch.device) -> int | None:

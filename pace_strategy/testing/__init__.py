@@ -9,12 +9,27 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pace_strategy.testing.inject import Straggler, injected_delay_ms, parse_stragglers, sleep_injected
+from pace_strategy.testing.inject import (
+    Straggler,
+    batch_samples,
+    injected_delay_ms,
+    parse_slow_devices,
+    parse_stragglers,
+    sleep_injected,
+)
 
 if TYPE_CHECKING:
     from pace_strategy.testing.lightning import InjectStraggler
 
-__all__ = ["InjectStraggler", "Straggler", "injected_delay_ms", "parse_stragglers", "sleep_injected"]
+__all__ = [
+    "InjectStraggler",
+    "Straggler",
+    "batch_samples",
+    "injected_delay_ms",
+    "parse_slow_devices",
+    "parse_stragglers",
+    "sleep_injected",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 
 from pace_strategy.core.errors import PacingConfigError
 
-__all__ = ["Straggler", "injected_delay_ms", "parse_stragglers", "sleep_injected"]
+__all__ = [
+    "Straggler",
+    "batch_samples",
+    "injected_delay_ms",
+    "parse_slow_devices",
+    "parse_stragglers",
+    "sleep_injected",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,6 +32,9 @@ class Straggler:
     Args:
         rank: global rank to slow down.
         delay_ms: added compute time per affected step, milliseconds.
+        per_sample_ms: added compute time per sample of the affected step's batch, milliseconds: a
+            slow device, whose extra time scales with its share of the batch (what rebalancing can
+            shorten; a fixed ``delay_ms`` it cannot).
         probability: chance that a given step is affected (1.0: every step, a persistent straggler).
         jitter_ms: uniform +/- spread added to ``delay_ms`` on affected steps.
         start_step: first step affected.
@@ -33,6 +43,7 @@ class Straggler:
 
     rank: int
     delay_ms: float
+    per_sample_ms: float = 0.0
     probability: float = 1.0
     jitter_ms: float = 0.0
     start_step: int = 0
@@ -41,36 +52,70 @@ class Straggler:
     def __post_init__(self) -> None:
         if self.rank < 0:
             raise PacingConfigError(f"Straggler.rank={self.rank!r} is invalid: expected a rank >= 0.")
-        if self.delay_ms < 0 or self.jitter_ms < 0:
+        if self.delay_ms < 0 or self.jitter_ms < 0 or self.per_sample_ms < 0:
             raise PacingConfigError(
-                f"Straggler delay_ms={self.delay_ms!r}, jitter_ms={self.jitter_ms!r}: both must be >= 0."
+                f"Straggler delay_ms={self.delay_ms!r}, jitter_ms={self.jitter_ms!r}, per_sample_ms="
+                f"{self.per_sample_ms!r}: all must be >= 0."
             )
         if not 0.0 <= self.probability <= 1.0:
             raise PacingConfigError(f"Straggler.probability={self.probability!r}: expected 0 <= p <= 1.")
 
-    def delay_at(self, rank: int, step: int) -> float:
-        """Milliseconds this injection adds to ``rank`` at ``step`` (deterministic)."""
+    def delay_at(self, rank: int, step: int, samples: int = 0) -> float:
+        """Milliseconds this injection adds to ``rank`` at ``step`` whose batch has ``samples``
+        samples (deterministic)."""
         if rank != self.rank or step < self.start_step:
             return 0.0
+        base = self.delay_ms + self.per_sample_ms * samples
         if self.probability >= 1.0 and self.jitter_ms == 0.0:
-            return self.delay_ms
+            return base
         rng = random.Random(f"{self.seed}:{rank}:{step}")
         if rng.random() >= self.probability:
             return 0.0
-        return max(0.0, self.delay_ms + rng.uniform(-self.jitter_ms, self.jitter_ms))
+        return max(0.0, base + rng.uniform(-self.jitter_ms, self.jitter_ms))
 
 
-def injected_delay_ms(stragglers: Iterable[Straggler], rank: int, step: int) -> float:
-    """Total injected delay for ``rank`` at ``step``."""
-    return sum(s.delay_at(rank, step) for s in stragglers)
+def injected_delay_ms(stragglers: Iterable[Straggler], rank: int, step: int, samples: int = 0) -> float:
+    """Total injected delay for ``rank`` at ``step`` (a batch of ``samples`` samples)."""
+    return sum(s.delay_at(rank, step, samples) for s in stragglers)
 
 
-def sleep_injected(stragglers: Iterable[Straggler], rank: int, step: int) -> float:
+def sleep_injected(stragglers: Iterable[Straggler], rank: int, step: int, samples: int = 0) -> float:
     """Sleep for the injected delay; returns the milliseconds slept."""
-    ms = injected_delay_ms(stragglers, rank, step)
+    ms = injected_delay_ms(stragglers, rank, step, samples)
     if ms > 0:
         time.sleep(ms / 1e3)
     return ms
+
+
+def batch_samples(batch: object) -> int:
+    """The samples of a batch: the length of its first tensor (a tensor, or a tuple, list or dict of
+    them, as collated); 0 when it has none."""
+    while isinstance(batch, (tuple, list, dict)) and batch:
+        batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    shape = getattr(batch, "shape", None)
+    return int(shape[0]) if shape else 0
+
+
+def parse_slow_devices(spec: str, sample_ms: float) -> list[Straggler]:
+    """Parse ``"RANK:FACTOR"`` items separated by commas (e.g. ``"1:2"``: rank 1 takes twice as long per
+    sample) into per-sample stragglers on top of ``sample_ms`` per sample on every rank."""
+    out = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        rank_text, _, factor_text = item.partition(":")
+        try:
+            rank, factor = int(rank_text), float(factor_text)
+        except ValueError:
+            raise PacingConfigError(
+                f"slow device spec {item!r} is invalid: expected RANK:FACTOR, e.g. '1:2' (rank 1 twice as "
+                "slow per sample)."
+            ) from None
+        if factor < 1.0 or sample_ms <= 0:
+            raise PacingConfigError(
+                f"slow device spec {item!r}: FACTOR must be >= 1 and the per-sample time (--sample-ms) "
+                f"> 0, got {factor!r} and {sample_ms!r}."
+            )
+        out.append(Straggler(rank=rank, delay_ms=0.0, per_sample_ms=sample_ms * (factor - 1.0)))
+    return out
 
 
 def parse_stragglers(spec: str) -> list[Straggler]:

@@ -9,13 +9,14 @@ from typing import Any
 from lightning.pytorch import Callback
 from typing_extensions import override
 
-from pace_strategy.testing.inject import Straggler, sleep_injected
+from pace_strategy.testing.inject import Straggler, batch_samples, sleep_injected
 
 __all__ = ["InjectStraggler"]
 
 
 class InjectStraggler(Callback):
-    """Sleep on the chosen ranks at the start of each training batch (inside the measured compute).
+    """Sleep on the chosen ranks at the start of each training batch (inside the measured compute;
+    a per-sample injection counts the batch's samples).
 
     Args:
         stragglers: the injections (see :class:`pace_strategy.testing.Straggler`).
@@ -27,4 +28,6 @@ class InjectStraggler(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.injected_ms += sleep_injected(self.stragglers, trainer.global_rank, trainer.global_step)
+        self.injected_ms += sleep_injected(
+            self.stragglers, trainer.global_rank, trainer.global_step, batch_samples(batch)
+        )

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +16,15 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from pace_strategy.cli import main as cli_main
 
 
+def demo_command(tmp_path: Path, *args: str) -> list[str]:
+    """``pace demo ARGS`` with logs under ``tmp_path/runs``."""
+    return [sys.executable, "-m", "pace_strategy", "demo", "--root", str(tmp_path / "runs"), *args]
+
+
 def run_demo(tmp_path: Path, *args: str, timeout: float = 150.0) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.run(
-        [sys.executable, "-m", "pace_strategy", "demo", "--root", str(tmp_path / "runs"), *args],
+        demo_command(tmp_path, *args),
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -60,6 +66,13 @@ def run_recipe(
         text=True,
         timeout=timeout,
     )
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a launcher's main process port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def only_version_dir(tmp_path: Path, name: str = "demo") -> Path:

@@ -14,6 +14,7 @@ def test_tag_names_are_pinned():
         "pace/wait_ms_max",
         "pace/delay_ms_max",
         "pace/pacing_active",
+        "pace/gc_ms_max",
     )
     assert schema.lead_tag(3) == "pace/lead_ms/rank_3"
 

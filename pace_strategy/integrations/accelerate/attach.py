@@ -4,7 +4,9 @@ accelerate's ``DistributedDataParallelKwargs`` cannot carry a custom comm hook, 
 goes on the prepared model (an FSDP2 model's all-gathers and reduce-scatters go through the pacer
 instead). Steps are marked from the model's forward, the prepared dataloaders and the optimizer's
 step; telemetry goes through ``accelerator.log`` (or a given sink). Everything registered is kept
-on the :class:`PacingHandle`, which removes it again (:meth:`PacingHandle.detach`).
+on the :class:`PacingHandle`, which removes it again (:meth:`PacingHandle.detach`): a SIGTERM handler
+too, which closes the run record as ``terminated`` and passes the signal on. The handle is what
+``accelerator.register_for_checkpointing`` takes to save and restore the pacing state.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -27,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.hooks.ddp import attach_paced_ddp
+from pace_strategy.integrations._preemption import SigtermHandler
 from pace_strategy.integrations.accelerate.env import (
     ENV_PREFIX,
     NON_CONFIG_ENV,
@@ -34,6 +37,7 @@ from pace_strategy.integrations.accelerate.env import (
     run_dir_from_env,
 )
 from pace_strategy.integrations.data import loader_workers, time_dataloader
+from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance, share_scaled_allreduce
 from pace_strategy.session import MetricsSink, PacingSession
 
 __all__ = ["PacingHandle", "attach_pacing", "is_paceable"]
@@ -50,7 +54,12 @@ class PacingHandle:
     End training with :meth:`finish` on every rank, or run it inside ``with handle:`` (normal exit:
     :meth:`finish`; an exception: the run record is closed as failed, locally). :meth:`detach` stops
     pacing early, on this rank. A script that does neither gets its record closed at exit with status
-    ``incomplete`` (and loses the steps of the last, unexchanged window).
+    ``incomplete`` (and loses the steps of the last, unexchanged window); one stopped by SIGTERM gets
+    it closed as ``terminated`` (see :func:`attach_pacing`).
+
+    Checkpoints: ``accelerator.register_for_checkpointing(handle)`` after :func:`attach_pacing`, and
+    ``accelerator.save_state`` / ``load_state`` save and restore the pacing state
+    (:meth:`state_dict`, :meth:`load_state_dict`) with the rest.
     """
 
     def __init__(self, model: Any, config: PacingConfig, session: PacingSession | None) -> None:
@@ -61,6 +70,32 @@ class PacingHandle:
         self._undo: list[Callable[[], object]] = []  # one per registration, undone in reverse
         #: attached by ``pace launch`` itself (``zero_code``): the script's own attach_pacing takes it over
         self._automatic = False
+        self._loaded: dict[str, Any] | None = None  # a restored state kept while there is no session
+        #: the rebalanced training loader (``rebalance=True``; see :func:`_rebalance_data`)
+        self.rebalance: DataRebalance | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The pacing state after :attr:`steps` steps, plain JSON-able data, the same on every rank
+        (``accelerator.save_state`` calls it on every process; the main one writes it). Local."""
+        if self.session is not None:
+            return self.session.state_dict(self.steps)
+        return dict(self._loaded) if self._loaded is not None else {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (``accelerator.load_state``, on every process; local).
+
+        The step count continues from the saved one, the controller's state and cool-down are
+        restored and the run record gets a ``resume`` line (``from`` is null: accelerate does not
+        tell the object where the checkpoint is). A state that cannot be restored is skipped with a
+        warning; an empty one (saved without a session) restores nothing.
+        """
+        loaded = dict(state) or None
+        if loaded is not None and type(loaded.get("step")) is int:
+            self.steps = loaded["step"]
+        if self.session is None:
+            self._loaded = loaded
+        else:
+            self.session.load_state_dict(loaded, step=self.steps)
 
     @property
     def record_path(self) -> Path | None:
@@ -84,11 +119,15 @@ class PacingHandle:
 
     def _batch_ready(self, session: PacingSession) -> None:
         session.pacer.begin_step(self.steps)
+        if self.rebalance is not None:
+            self.rebalance.begin_batch()
 
     def _end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.steps += 1
         if self.session is not None:
             self.session.end_step()
+        if self.rebalance is not None:
+            self.rebalance.end_step()
 
     def finish(self) -> None:
         """End of training, on every rank (collective): exchange the last steps, close the run record,
@@ -201,11 +240,28 @@ def attach_pacing(
     _ATTACHED[id(model)] = handle
     _close_open_records_at_exit()
     try:
+        if config.rebalance:
+            handle.rebalance = _rebalance_data(handle, session, loaders, fsdp)
         _register(handle, model, session, optimizer, loaders, fsdp)
     except BaseException:
         handle.detach()
         raise
+    _handle_sigterm(handle, session)
     return handle
+
+
+def _handle_sigterm(handle: PacingHandle, session: PacingSession) -> None:
+    """SIGTERM (a scheduler's preemption) closes the run record as ``terminated``, locally: no
+    collective in a signal handler (the peers are being stopped too); then the signal goes on to the
+    handler that was there before (by default the process ends, as it would have). Removed by
+    :meth:`PacingHandle.detach`."""
+
+    def terminate(signum: int) -> None:
+        session.terminate(f"SIGTERM (signal {signum})")
+
+    sigterm = SigtermHandler(terminate)
+    if sigterm.install():
+        handle._undo.append(sigterm.remove)
 
 
 def _take_over(automatic: PacingHandle) -> None:
@@ -231,6 +287,9 @@ def _register(
 
         register_paced_collectives(model, session.pacer)
         undo.append(functools.partial(unregister_paced_collectives, model))
+    elif handle.rebalance is not None:  # the share factor goes on the gradient (see the hook)
+        undo.append(attach_paced_ddp(model, session.pacer, share_scaled_allreduce, handle.rebalance).remove)
+        undo.append(handle.rebalance.stop)
     else:
         undo.append(attach_paced_ddp(model, session.pacer).remove)
     undo.append(model.register_forward_pre_hook(handle._begin).remove)
@@ -242,6 +301,35 @@ def _register(
         hook = time_dataloader(loader, handle._live_session, on_batch=handle._batch_ready)
         if hook is not None:
             undo.append(hook.remove)
+
+
+def _rebalance_data(
+    handle: PacingHandle, session: PacingSession, loaders: list[Any], fsdp: bool
+) -> DataRebalance:
+    """``rebalance=True``: the one training loader rebuilt in place around the rebalancing batch
+    sampler; the loss scale goes on the gradient, in a DDP comm hook (``accelerator.backward`` has no
+    hook for the loss). DDP's comm hook stays registered after :meth:`PacingHandle.detach` (DDP cannot
+    remove one), at factor 1.0 once no batch comes from the rebalanced loader."""
+    if fsdp:
+        raise PacingConfigError(
+            "rebalance=True is supported with DDP (distributed_type MULTI_GPU/MULTI_CPU), not FSDP yet; "
+            "set rebalance=False for this model."
+        )
+    if len(loaders) != 1:
+        raise PacingConfigError(
+            f"rebalance=True needs the one training DataLoader, found {len(loaders)} prepared: pass "
+            "attach_pacing(..., dataloaders=[train_loader])."
+        )
+    rebalance = DataRebalance(
+        session.pacer,
+        session.pacer.rank,
+        session.pacer.world_size,
+        step_source=lambda: handle.steps,
+        framework_prefetch=1,  # DataLoaderShard fetches one batch ahead to tell the last one
+    )
+    rebalance.replace_prepared(loaders[0])
+    session.register_state(STATE_NAME, rebalance)
+    return rebalance
 
 
 def _prepared(accelerator: Any, kind: Literal["optimizer", "dataloader"]) -> list[Any]:

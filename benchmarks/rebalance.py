@@ -1,0 +1,185 @@
+"""Rebalancing against plain DDP, run by run in alternating order: samples/s and the capacity bound.
+
+Not a test: it prints what it measured. Every case trains the demo's MLP (``pace demo``) on W CPU
+ranks whose emulated accelerator time scales with their samples (``--sample-ms`` per sample, no
+fixed per-step sleep), one rank ``FACTOR`` times slower per sample (``--slow-device 1:FACTOR``;
+``FACTOR`` 1 is the clean case). The baseline is stock ``ddp``; the candidate is ``paced_ddp`` with
+``mode=monitor`` (no pacing: rebalancing alone) and ``rebalance=true``, exchanging every 8 steps so
+that it decides within the run. Each repetition runs the two arms back to back, in alternating
+order (AB, BA, ...), so both see the same minutes of a shared machine.
+
+Reported per case: samples/s of each arm over the steps after ``--skip`` (rank 0's wall time
+between batch ends, the same ruler for both; the global batch is constant), the candidate/baseline
+ratio (median over repetitions, and its spread), the split the candidate ended at, and each arm
+against the capacity bound: the sum of the ranks' speeds (1 / per-sample compute time), measured
+from the candidate's run record in its even phase (compute time to the sync point over samples; it
+leaves out the all-reduce and the optimizer, so 100% is out of reach). With one rank FACTOR x slower
+of W, plain DDP's theoretical share of the bound is W / (FACTOR * (W - 1 + 1/FACTOR)).
+
+The clean case's own cost, which run-level A/B cannot resolve on a shared machine, is measured
+apart first (``--data-path-batches``): in one process, epochs through a DataLoader with the
+``DistributedSampler`` Lightning injects and through one with ``ShareBatchSampler`` (plus the
+per-batch ``pop_built`` the integrations call), in alternating order: microseconds per batch.
+
+    python benchmarks/rebalance.py                         # 2 and 4 ranks, factors 1, 1.5, 2 (~15 min)
+    python benchmarks/rebalance.py --ranks 2 --factors 2 --reps 1     # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _runs import provenance, run_demo, write_results
+
+from pace_strategy.data.phases import SharePhase, share_phases
+from pace_strategy.telemetry import read_run_record
+
+CANDIDATE = ["--pacing", "mode=monitor", "--pacing", "rebalance=true", "--pacing", "exchange_every_steps=8"]
+
+
+def data_path_cost(batches: int, rounds: int = 6) -> dict[str, float]:
+    """Microseconds per batch of the two data paths (one rank of two, 32 samples per batch), epochs
+    in alternating order; the median epoch of each."""
+    import time
+
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from pace_strategy.core.shares import ShareSchedule
+    from pace_strategy.data import ShareBatchSampler
+
+    data = TensorDataset(torch.randn(batches * 64, 64), torch.randint(0, 10, (batches * 64,)))
+    plain = DataLoader(data, batch_size=32, sampler=DistributedSampler(data, 2, 0, shuffle=True, seed=0))
+    sampler = ShareBatchSampler(data, ShareSchedule(64, 2), 0, shuffle=True, seed=0)
+    shared = DataLoader(data, batch_sampler=sampler)
+
+    def epoch(loader: DataLoader[Any], pop: bool) -> float:
+        started = time.perf_counter()
+        for _ in loader:
+            if pop:
+                sampler.pop_built()
+        return (time.perf_counter() - started) * 1e6 / batches
+
+    times: dict[str, list[float]] = {"distributed_sampler_us": [], "share_sampler_us": []}
+    for i in range(rounds):
+        for name in ("distributed_sampler_us", "share_sampler_us")[:: 1 if i % 2 == 0 else -1]:
+            times[name].append(epoch(plain, False) if name.startswith("dist") else epoch(shared, True))
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+@dataclass(frozen=True)
+class Arm:
+    samples_per_s: float
+    phases: list[SharePhase]  #: the candidate's share phases (empty for the baseline)
+
+
+def run_arm(work: Path, index: int, ranks: int, factor: float, candidate: bool, args: Any) -> Arm:
+    demo = ["--devices", str(ranks), "--steps", str(args.steps), "--straggler", "", "--compute-ms", "0"]
+    demo += ["--sample-ms", str(args.sample_ms), "--batch-size", str(args.batch_size)]
+    if factor > 1.0:
+        demo += ["--slow-device", f"1:{factor:g}"]
+    quantum = ["--pacing", f"rebalance_quantum={args.quantum}"] if args.quantum else []
+    demo += ["--strategy", "paced_ddp", *CANDIDATE, *quantum] if candidate else ["--strategy", "ddp"]
+    times, record = run_demo(work, index, demo, skip=args.skip)
+    global_batch = args.batch_size * ranks
+    phases = share_phases(read_run_record(record).steps) if record is not None else []
+    return Arm(global_batch * 1e3 / statistics.fmean(times), phases)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", default="2,4", help="world sizes, comma-separated")
+    p.add_argument("--factors", default="1,1.5,2", help="per-sample slowdown of rank 1 (1: clean)")
+    p.add_argument("--reps", type=int, default=2, help="repetitions of each arm pair")
+    p.add_argument("--steps", type=int, default=160, help="optimizer steps per run")
+    p.add_argument("--skip", type=int, default=64, help="steps left out at the start (decision + trial)")
+    p.add_argument("--sample-ms", type=float, default=1.0, help="emulated compute per sample, ms")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per rank per step at even shares")
+    p.add_argument("--quantum", type=int, default=0, help="rebalance_quantum (0: the config default)")
+    p.add_argument("--data-path-batches", type=int, default=2000, help="batches per data-path epoch")
+    p.add_argument("--out", default="benchmarks/results/rebalance.json")
+    p.add_argument("--markdown", default="benchmarks/results/rebalance.md")
+    args = p.parse_args()
+    data_path = data_path_cost(args.data_path_batches)
+    print(f"data path per batch: {data_path}", flush=True)
+    rows, result = [], {**provenance(args), "data_path": data_path, "cases": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        work, index = Path(tmp), 0
+        for ranks in (int(r) for r in args.ranks.split(",")):
+            for factor in (float(f) for f in args.factors.split(",")):
+                base, cand = [], []
+                for rep in range(args.reps):
+                    for candidate in (False, True) if rep % 2 == 0 else (True, False):
+                        arm = run_arm(work, index, ranks, factor, candidate, args)
+                        (cand if candidate else base).append(arm)
+                        index += 1
+                        print(
+                            f"W={ranks} x{factor:g} rep {rep} {'rebalance' if candidate else 'ddp':9} "
+                            f"{arm.samples_per_s:7.0f} samples/s",
+                            flush=True,
+                        )
+                rows.append(case_row(ranks, factor, base, cand))
+                result["cases"].append(rows[-1])
+    write_results(args.out, args.markdown, table(rows, args, data_path), result)
+    return 0
+
+
+def case_row(ranks: int, factor: float, base: list[Arm], cand: list[Arm]) -> dict[str, Any]:
+    ratios = [c.samples_per_s / b.samples_per_s for b, c in zip(base, cand, strict=True)]
+    even = [a.phases[0] for a in cand if a.phases]
+    capacity = statistics.median(ph.capacity_per_s for ph in even) if even else float("nan")
+    final = [a.phases[-1].shares for a in cand if a.phases]
+    base_sps = statistics.median(a.samples_per_s for a in base)
+    cand_sps = statistics.median(a.samples_per_s for a in cand)
+    return {
+        "ranks": ranks,
+        "factor": factor,
+        "ddp_samples_per_s": base_sps,
+        "rebalance_samples_per_s": cand_sps,
+        "ratio_median": statistics.median(ratios),
+        "ratios": ratios,
+        "capacity_per_s": capacity,
+        "ddp_of_capacity": base_sps / capacity,
+        "rebalance_of_capacity": cand_sps / capacity,
+        "theory_ddp_of_capacity": ranks / (factor * (ranks - 1 + 1 / factor)),
+        "final_shares": [list(s) for s in final],
+    }
+
+
+def table(rows: list[dict[str, Any]], args: Any, data_path: dict[str, float]) -> str:
+    extra = data_path["share_sampler_us"] - data_path["distributed_sampler_us"]
+    lines = [
+        f"Data path per batch (one process, alternating epochs of {args.data_path_batches} batches): "
+        f"DistributedSampler {data_path['distributed_sampler_us']:.1f} us, ShareBatchSampler + pop_built "
+        f"{data_path['share_sampler_us']:.1f} us ({extra:+.1f} us per step).",
+        "",
+        f"Rebalancing vs plain DDP ({args.reps} alternating pairs of runs per case, {args.steps} steps, "
+        f"first {args.skip} left out; {args.sample_ms:g} ms emulated compute per sample, "
+        f"{args.batch_size} samples per rank at even shares, rebalance_quantum "
+        f"{args.quantum or 'default'})",
+        "",
+        "| ranks | rank 1 per sample | ddp samples/s | rebalance samples/s | ratio (median; each pair) "
+        "| capacity bound | ddp / bound (theory) | rebalance / bound | final split |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        each = ", ".join(f"{x:.3f}" for x in r["ratios"])
+        lines.append(
+            f"| {r['ranks']} | {r['factor']:g}x | {r['ddp_samples_per_s']:.0f} | "
+            f"{r['rebalance_samples_per_s']:.0f} | {r['ratio_median']:.3f} ({each}) | "
+            f"{r['capacity_per_s']:.0f} | {r['ddp_of_capacity']:.0%} ({r['theory_ddp_of_capacity']:.0%}) | "
+            f"{r['rebalance_of_capacity']:.0%} | {' / '.join(map(str, r['final_shares']))} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,637 @@
+"""Rebalancing: per-rank shares of a constant global batch from per-sample compute time, proven online.
+
+Pacing cannot shorten a step whose length the last rank sets. When one rank is persistently slow *per
+sample* (a throttled or older device, a busier host), giving it fewer samples of the same global batch
+and the fast ranks more does. :class:`RebalancePolicy` decides the split; the Pacer writes it into the
+:class:`~pace_strategy.core.shares.ShareSchedule` that the data pipeline reads.
+
+Like the pacing controller it is a deterministic state machine fed one gathered window at a time, so
+every rank takes the same decision from the same data without further communication:
+
+- **Measure** each rank's per-sample compute time: ``COMPUTE_MS / SAMPLES`` (median over the window's
+  usable steps). Compute time runs from batch ready to the sync point, so a rank that starts late
+  behind a slow network path (``GAP_MS``, the wait pattern) or waits for its input (``DATA_MS``) is
+  not slow here and is never rebalanced.
+- **Propose** the split of the global batch, in whole quanta, that minimizes the slowest predicted
+  compute (per-sample time x share): shares proportional to speed. Only when it is predicted to
+  shorten the step by ``rebalance_min_imbalance`` of the step time, for
+  ``rebalance_persist_windows`` windows in a row (hysteresis).
+- **Prove** it: the split starts at a window boundary the data pipeline has not built yet; after
+  ``ab_windows`` windows at it, it is kept only if (1) the compute of the ranks that lost samples
+  fell by at least ``rebalance_min_scaling`` of what their per-sample time predicted (otherwise the
+  slowness is a fixed per-step cost: a fixed sleep, a per-step stall) and (2) the median step time
+  at the same global batch fell by more than pacing's A/B rule asks (``min_gain_fraction`` and
+  ``ab_noise_factor`` times the run's own window-to-window noise). Otherwise the previous split
+  comes back (the even one, the first time) and a cool-down follows, longer after each reverted
+  trial in a row.
+
+A kept split keeps being measured: if the speeds change (the slow rank recovers, another slows down),
+the imbalance under the kept split triggers a new proposal and a new trial against it.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pace_strategy.core.config import PacingConfig
+from pace_strategy.core.errors import PacingConfigError
+from pace_strategy.core.policy import ab_gain_needed_ms, ab_noise_ms, next_cooldown_windows
+from pace_strategy.core.records import Field
+from pace_strategy.core.shares import even_shares
+from pace_strategy.core.state import STATE_VERSION, PacingStateError, check_state
+
+__all__ = [
+    "RebalanceDecision",
+    "RebalancePolicy",
+    "RebalanceState",
+    "best_split",
+    "first_boundary",
+    "measure_window",
+]
+
+
+class RebalanceState(str, enum.Enum):
+    """States of the rebalancing controller."""
+
+    WATCH = "watch"  #: the split in effect (even, or kept) is measured; waiting for a persistent imbalance
+    TRIAL = "trial"  #: a new split is scheduled or running; its check is pending
+    COOLDOWN = "cooldown"  #: a trial was reverted; no new split until the cool-down ends
+    OFF = "off"  #: the data pipeline does not follow the schedule: rebalancing stopped for the run
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class RebalanceDecision:
+    """What the rebalancing controller decided after one window; identical on every rank.
+
+    ``shares[r]`` is rank ``r``'s samples per step of the latest split (in effect, or scheduled from
+    ``from_step``).
+    """
+
+    window: int
+    state: RebalanceState
+    shares: tuple[int, ...]
+    reason: str
+    #: this decision adds a split that starts at this global step (``None``: the split is unchanged)
+    from_step: int | None = None
+    #: the state or the split changed with this window (what the run record writes a line for)
+    changed: bool = False
+    baseline_step_ms: float | None = None  #: median step time at the split a trial replaced, ms
+    trial_step_ms: float | None = None  #: median step time of the trial, ms (at its verdict)
+    per_sample_ms: tuple[float, ...] = ()  #: latest per-rank median compute time per sample, ms
+
+
+@dataclass(frozen=True)
+class WindowMeasure:
+    """One window's usable steps at one split (:func:`measure_window`)."""
+
+    first_step: int  #: first usable step's label
+    last_step: int
+    shares: tuple[int, ...]  #: per-rank samples of the first usable step
+    uniform: bool  #: every usable step ran at ``shares``, with the same number of micro-batches
+    batches: int  #: micro-batches per step (gradient accumulation), each of one global batch
+    compute_ms: tuple[float, ...]  #: per-rank median compute time per step, ms
+    #: per-rank median unpaced wait at the sync point (wait + delay), ms: how early each rank arrived
+    wait_ms: tuple[float, ...]
+    per_sample_ms: tuple[float, ...]  #: per-rank median of compute time / samples, ms
+    step_ms: float  #: median step time (slowest rank), ms
+    paced: bool  #: some usable step ran under a pacing delay
+
+
+def measure_window(gathered: torch.Tensor, global_batch: int) -> WindowMeasure | str:
+    """Per-rank compute per sample over the usable steps of a gathered window ``[W, steps, fields]``.
+
+    Usable: valid, past warm-up, every rank reported its samples and they add up to a whole number
+    of global batches (one per micro-batch with gradient accumulation; an epoch's short last batch is
+    left out). Returns the reason in words when no step is usable.
+    """
+    valid = (gathered[:, :, Field.VALID] > 0).all(dim=0) & (gathered[:, :, Field.WARMUP] == 0).all(dim=0)
+    if not bool(valid.any()):
+        return "no usable steps in the window (warm-up or sync point not seen)"
+    samples = gathered[:, :, Field.SAMPLES]
+    reported = valid & (samples > 0).all(dim=0)
+    if not bool(reported.any()):
+        return "no step reported its samples (the integration calls Pacer.set_samples)"
+    total = samples.sum(dim=0)
+    usable = reported & (total % global_batch == 0)
+    if not bool(usable.any()):
+        totals = sorted({int(v) for v in total[reported].tolist()})
+        return f"no step trained on the global batch of {global_batch} samples (the ranks' totals: {totals})"
+    rows = gathered[:, usable, :]
+    batches = total[usable] / global_batch  # micro-batches per step (gradient accumulation)
+    n = rows[:, :, Field.SAMPLES] / batches  # per micro-batch: the split itself
+    compute = rows[:, :, Field.COMPUTE_MS]
+    labels = rows[0, :, Field.STEP]
+    per_sample = (compute / rows[:, :, Field.SAMPLES]).median(dim=1).values
+    if not bool((per_sample > 0).all()):
+        return "a rank's compute time was not measured (0 ms per sample)"
+    return WindowMeasure(
+        first_step=int(labels[0]),
+        last_step=int(labels[-1]),
+        shares=tuple(int(v) for v in n[:, 0].tolist()),
+        uniform=bool((n == n[:, :1]).all()) and bool((batches == batches[0]).all()),
+        batches=int(batches[0]),
+        compute_ms=tuple(compute.median(dim=1).values.tolist()),
+        wait_ms=tuple((rows[:, :, Field.WAIT_MS] + rows[:, :, Field.DELAY_MS]).median(dim=1).values.tolist()),
+        per_sample_ms=tuple(per_sample.tolist()),
+        step_ms=float(rows[:, :, Field.STEP_MS].amax(dim=0).median()),
+        paced=bool((rows[:, :, Field.DELAY_MS] > 0).any()),
+    )
+
+
+def best_split(
+    per_sample_ms: Sequence[float], global_batch: int, quantum: int
+) -> tuple[tuple[int, ...], float]:
+    """The split of ``global_batch`` in whole ``quantum``-sample units (each rank at least one) that
+    minimizes the slowest predicted compute ``per_sample_ms[r] * shares[r]``, and that compute (ms).
+
+    Greedy: each unit goes to the rank whose compute after taking it is smallest (optimal for a
+    min-max of linear loads); among equal loads, to the rank furthest below its share proportional
+    to speed, then the lowest rank, so every rank computes the same split. The remainder of the
+    global batch that no whole quantum holds goes where it adds least compute (the fastest rank).
+    """
+    world = len(per_sample_ms)
+    units, rest = divmod(global_batch, quantum)
+    if units < world:
+        raise PacingConfigError(
+            f"PacingConfig.rebalance_quantum={quantum} x {world} ranks is more than the global batch of "
+            f"{global_batch} samples: every rank needs at least one quantum. Lower rebalance_quantum "
+            f"to at most {global_batch // world}."
+        )
+    t = [float(v) for v in per_sample_ms]
+    speed = [1.0 / v for v in t]
+    ideal = [units * v / sum(speed) for v in speed]  # units proportional to speed
+
+    def key(r: int, count: int) -> tuple[float, float, int]:
+        return (t[r] * (count + 1) * quantum, count - ideal[r], r)
+
+    count = [1] * world
+    heap = [key(r, 1) for r in range(world)]
+    heapq.heapify(heap)
+    for _ in range(units - world):
+        r = heapq.heappop(heap)[2]
+        count[r] += 1
+        heapq.heappush(heap, key(r, count[r]))
+    shares = [c * quantum for c in count]
+    if rest:
+        r = min(range(world), key=lambda i: (t[i] * (shares[i] + rest), i))
+        shares[r] += rest
+    return tuple(shares), max(t[r] * shares[r] for r in range(world))
+
+
+def first_boundary(window_last_step: int, every_steps: int, not_before: int) -> int:
+    """The first window boundary (a window's first step: ``window_last_step + 1 + m * every_steps``)
+    at or after step ``not_before``."""
+    start = window_last_step + 1
+    if not_before <= start:
+        return start
+    return start + -(-(not_before - start) // every_steps) * every_steps
+
+
+def _median_each(rows: Sequence[Sequence[float]]) -> tuple[float, ...]:
+    """Per-rank median over several windows' per-rank values."""
+    return tuple(statistics.median(col) for col in zip(*rows, strict=True))
+
+
+def _ms(values: Sequence[float]) -> str:
+    return "[" + ", ".join(f"{v:.3g}" for v in values) + "]"
+
+
+class RebalancePolicy:
+    """Turns gathered windows into per-rank shares of a constant global batch (see the module doc).
+
+    Args:
+        config: the validated configuration (``rebalance_*`` fields, and pacing's A/B rule).
+        global_batch: N, samples per step summed over ranks.
+        world_size: W.
+        shares: the split in effect at the start (default: the even split), from ``since_step``.
+    """
+
+    def __init__(
+        self,
+        config: PacingConfig,
+        global_batch: int,
+        world_size: int,
+        shares: Sequence[int] | None = None,
+        since_step: int = 0,
+    ) -> None:
+        self.config = config
+        self.global_batch = global_batch
+        self.world_size = world_size
+        best_split([1.0] * world_size, global_batch, config.rebalance_quantum)  # N >= W quanta, or fail now
+        self.even = even_shares(global_batch, world_size)
+        self.state = RebalanceState.WATCH
+        self._shares = tuple(shares) if shares is not None else self.even  #: the latest split
+        self._since = since_step  #: the step from which ``_shares`` run
+        self._previous = self._shares  #: the split a trial replaced (what a revert restores)
+        self._streak: list[WindowMeasure] = []  #: consecutive imbalanced windows at the split in effect
+        self._baseline: list[float] = []  #: median step times of unpaced windows at the split in effect
+        self._trial: list[WindowMeasure] = []  #: unpaced windows at the trial split
+        self._paced_in_trial = 0  #: paced windows at the trial split (not counted)
+        self._before_compute: tuple[float, ...] = ()  #: per-rank compute per step before the trial
+        self._before_per_sample: tuple[float, ...] = ()
+        self._batches = 1  #: micro-batches per step before the trial
+        self._baseline_ms: float | None = None
+        self._noise_ms = 0.0
+        self._state_windows = 0  #: windows spent in the current COOLDOWN
+        self._failed = 0  #: reverted trials in a row
+        self._cooldown_len = config.rebalance_cooldown_windows
+        self._last = RebalanceDecision(-1, self.state, self._shares, "start: even split")
+
+    @property
+    def last_decision(self) -> RebalanceDecision:
+        return self._last
+
+    @property
+    def shares(self) -> tuple[int, ...]:
+        """The latest split (in effect, or scheduled from :attr:`since_step`)."""
+        return self._shares
+
+    @property
+    def since_step(self) -> int:
+        return self._since
+
+    def follow(self, from_step: int, shares: Sequence[int]) -> bool:
+        """Adopt a split that someone else scheduled (the schedule's latest entry, when it is not this
+        controller's): its windows are measured from then on, any trial is dropped. Returns whether
+        it was new."""
+        shares = tuple(int(n) for n in shares)
+        if (from_step, shares) == (self._since, self._shares):
+            return False
+        self._shares, self._previous, self._since = shares, shares, from_step
+        self._streak, self._trial, self._baseline = [], [], []
+        self.state = RebalanceState.WATCH
+        return True
+
+    def update(self, gathered: torch.Tensor, window: int, from_step: int) -> RebalanceDecision:
+        """Consume one gathered window; a new split, if any, starts at ``from_step`` (a window boundary
+        after every step the data pipeline may have built, the same on every rank)."""
+        if self.state is RebalanceState.OFF:
+            return self._keep(window, self._last.reason)
+        m = measure_window(gathered, self.global_batch)
+        if isinstance(m, str):
+            return self._keep(window, f"{m}: split unchanged")
+        if m.first_step < self._since:  # the window ran (at least partly) before the split took over
+            return self._keep(window, f"waiting for the split {list(self._shares)} from step {self._since}")
+        if not m.uniform or m.shares != self._shares:
+            self._streak, self._trial = [], []
+            return self._set(
+                window,
+                RebalanceState.OFF,
+                f"steps {m.first_step}..{m.last_step} trained on {list(m.shares)} samples per rank"
+                f"{'' if m.uniform else ' and other splits'} where the schedule says {list(self._shares)}: "
+                "the data pipeline does not follow the share schedule; rebalancing is off for this run",
+                m,
+            )
+        if self.state is RebalanceState.TRIAL:
+            return self._update_trial(window, m, from_step)
+        if not m.paced:
+            self._baseline.append(m.step_ms)
+            del self._baseline[: -max(self.config.ab_windows, self.config.rebalance_persist_windows)]
+        if self.state is RebalanceState.COOLDOWN:
+            return self._update_cooldown(window, m)
+        return self._update_watch(window, m, from_step)
+
+    # ------------------------------------------------------------------ one method per state
+    def _update_watch(self, window: int, m: WindowMeasure, from_step: int) -> RebalanceDecision:
+        cfg = self.config
+        shares, saving = self._proposal(m.per_sample_ms, m.compute_ms, m.wait_ms, m.batches)
+        note = (
+            f"per-sample compute {_ms(m.per_sample_ms)} ms at {list(self._shares)}; best split "
+            f"{list(shares)} saves {saving:.2f} of {m.step_ms:.2f} ms"
+        )
+        if shares == self._shares or saving < cfg.rebalance_min_imbalance * m.step_ms:
+            self._streak = []
+            return self._set(window, RebalanceState.WATCH, f"balanced: {note}", m)
+        self._streak.append(m)
+        if len(self._streak) < cfg.rebalance_persist_windows or not self._baseline:
+            return self._set(
+                window,
+                RebalanceState.WATCH,
+                f"imbalanced {len(self._streak)}/{cfg.rebalance_persist_windows} windows: {note}",
+                m,
+            )
+        # The split comes from the streak's median per-sample times: one odd window cannot set it.
+        per_sample = _median_each([w.per_sample_ms for w in self._streak])
+        compute = _median_each([w.compute_ms for w in self._streak])
+        wait = _median_each([w.wait_ms for w in self._streak])
+        step_ms = statistics.median(w.step_ms for w in self._streak)
+        shares, saving = self._proposal(per_sample, compute, wait, m.batches)
+        self._streak = []
+        if shares == self._shares or saving < cfg.rebalance_min_imbalance * step_ms:
+            return self._set(window, RebalanceState.WATCH, f"balanced over the streak: {note}", m)
+        self._baseline_ms = statistics.median(self._baseline[-cfg.ab_windows :])
+        self._noise_ms = ab_noise_ms(self._baseline, cfg.ab_windows)
+        self._before_compute, self._before_per_sample, self._batches = compute, per_sample, m.batches
+        self._previous, self._shares, self._since = self._shares, shares, from_step
+        self._trial, self._paced_in_trial = [], 0
+        return self._set(
+            window,
+            RebalanceState.TRIAL,
+            f"imbalanced for {cfg.rebalance_persist_windows} windows (per-sample compute "
+            f"{_ms(per_sample)} ms): split {list(self._previous)} -> {list(shares)} from step {from_step}, "
+            f"predicted to save {saving:.2f} ms of {step_ms:.2f}; A/B trial against "
+            f"{self._baseline_ms:.2f} ms",
+            m,
+            from_step=from_step,
+        )
+
+    def _proposal(
+        self,
+        per_sample_ms: Sequence[float],
+        compute_ms: Sequence[float],
+        wait_ms: Sequence[float],
+        batches: int,
+    ) -> tuple[tuple[int, ...], float]:
+        """The best split by per-sample compute and the step time it is predicted to save, ms.
+
+        Two clock-free predictions must agree, and the smaller counts: by compute (the slowest
+        compute now against the slowest per-sample time x new share) and by arrival (each rank's
+        arrival moves by its change of compute; arrivals are read from the waits, the latest rank
+        waiting least). A rank that arrives last for another reason (a late start behind a slow
+        path, a data stall) keeps the step long whatever the split: the arrival prediction says so,
+        and the split, which only per-sample compute sets, never moves work because of it.
+        """
+        shares, slowest_ms = best_split(per_sample_ms, self.global_batch, self.config.rebalance_quantum)
+        by_compute = max(compute_ms) - slowest_ms * batches  # a step trains ``batches`` such splits
+        change = [per_sample_ms[r] * shares[r] * batches - compute_ms[r] for r in range(self.world_size)]
+        by_arrival = -min(wait_ms) - max(change[r] - wait_ms[r] for r in range(self.world_size))
+        return shares, min(by_compute, by_arrival)
+
+    def _update_trial(self, window: int, m: WindowMeasure, from_step: int) -> RebalanceDecision:
+        cfg = self.config
+        if m.paced:  # pacing delays in the window: its step time says nothing about the split
+            self._paced_in_trial += 1
+            if self._paced_in_trial < cfg.rebalance_persist_windows + cfg.ab_windows:
+                return self._keep(window, "trial: a paced window is not counted")
+            return self._revert(
+                window,
+                m,
+                from_step,
+                m.step_ms,
+                f"pacing stayed on for {self._paced_in_trial} windows of the trial: no unpaced window to "
+                "judge the split by",
+            )
+        self._trial.append(m)
+        if len(self._trial) < cfg.ab_windows:
+            return self._set(window, RebalanceState.TRIAL, f"trial {len(self._trial)}/{cfg.ab_windows}", m)
+        after = _median_each([w.compute_ms for w in self._trial])
+        trial_ms = statistics.median(w.step_ms for w in self._trial)
+        base = self._baseline_ms if self._baseline_ms is not None else trial_ms
+        fell = [r for r in range(self.world_size) if self._shares[r] < self._previous[r]]
+        predicted = sum(
+            self._before_compute[r] - self._before_per_sample[r] * self._shares[r] * self._batches
+            for r in fell
+        )
+        realized = sum(self._before_compute[r] - after[r] for r in fell)
+        scaling = realized / predicted if predicted > 0 else 1.0
+        if scaling < cfg.rebalance_min_scaling:
+            ranks = ", ".join(map(str, fell))
+            return self._revert(
+                window,
+                m,
+                from_step,
+                trial_ms,
+                f"the compute of rank(s) {ranks}, whose share fell, dropped {realized:.2f} ms where "
+                f"{predicted:.2f} ms was predicted from the per-sample time ({scaling:.0%}, needs "
+                f"{cfg.rebalance_min_scaling:.0%}): a fixed per-step cost, which fewer samples "
+                "cannot shorten",
+            )
+        needed = ab_gain_needed_ms(cfg, base, self._noise_ms)
+        if base - trial_ms < needed:
+            return self._revert(
+                window,
+                m,
+                from_step,
+                trial_ms,
+                f"A/B: step {trial_ms:.2f} ms vs {base:.2f} ms ({trial_ms / base - 1:+.2%}); no gain of "
+                f"{needed:.2f} ms ({cfg.min_gain_fraction:.1%} of the step, or {cfg.ab_noise_factor:g} x "
+                f"the comparison's noise {self._noise_ms:.2f} ms)",
+            )
+        self._failed = 0
+        self._cooldown_len = cfg.rebalance_cooldown_windows
+        self._baseline = [w.step_ms for w in self._trial]  # the kept split's windows are its baseline
+        self._trial = []
+        return self._set(
+            window,
+            RebalanceState.WATCH,
+            f"A/B: step {trial_ms:.2f} ms at {list(self._shares)} vs {base:.2f} ms at "
+            f"{list(self._previous)} ({trial_ms / base - 1:+.2%}) at the same global batch of "
+            f"{self.global_batch}: kept",
+            m,
+            trial_ms=trial_ms,
+        )
+
+    def _update_cooldown(self, window: int, m: WindowMeasure) -> RebalanceDecision:
+        self._state_windows += 1
+        if self._state_windows < self._cooldown_len:
+            return self._set(
+                window, RebalanceState.COOLDOWN, f"cool-down {self._state_windows}/{self._cooldown_len}", m
+            )
+        self._streak = []
+        return self._set(window, RebalanceState.WATCH, "cool-down over: watching", m)
+
+    def _revert(
+        self, window: int, m: WindowMeasure, from_step: int, trial_ms: float, why: str
+    ) -> RebalanceDecision:
+        """The trial failed: the split it replaced comes back from ``from_step``; cool down, for longer
+        after each reverted trial in a row."""
+        cfg = self.config
+        self._cooldown_len = next_cooldown_windows(
+            self._cooldown_len,
+            self._failed,
+            cfg.rebalance_cooldown_windows,
+            cfg.cooldown_growth,
+            max(cfg.max_cooldown_windows, cfg.rebalance_cooldown_windows),
+        )
+        self._failed += 1
+        self._state_windows = 0
+        tried, self._shares, self._since = self._shares, self._previous, from_step
+        self._baseline, self._trial = [], []
+        return self._set(
+            window,
+            RebalanceState.COOLDOWN,
+            f"{why}: split {list(tried)} reverted to {list(self._shares)} from step {from_step}; "
+            f"cool-down of {self._cooldown_len} windows (reverted trial {self._failed} in a row)",
+            m,
+            from_step=from_step,
+            trial_ms=trial_ms,
+        )
+
+    # ------------------------------------------------------------------ decisions
+    def _set(
+        self,
+        window: int,
+        state: RebalanceState,
+        reason: str,
+        m: WindowMeasure,
+        from_step: int | None = None,
+        trial_ms: float | None = None,
+    ) -> RebalanceDecision:
+        changed = state is not self.state or from_step is not None or self._last.window < 0
+        self.state = state
+        self._last = RebalanceDecision(
+            window=window,
+            state=state,
+            shares=self._shares,
+            reason=reason,
+            from_step=from_step,
+            changed=changed,
+            baseline_step_ms=self._baseline_ms
+            if state is RebalanceState.TRIAL or trial_ms is not None
+            else None,
+            trial_step_ms=trial_ms,
+            per_sample_ms=m.per_sample_ms,
+        )
+        return self._last
+
+    def _keep(self, window: int, reason: str) -> RebalanceDecision:
+        """A window that says nothing about the split in effect: same state and split, no streak moves."""
+        last = self._last
+        self._last = RebalanceDecision(
+            window=window,
+            state=self.state,
+            shares=self._shares,
+            reason=reason,
+            changed=last.window < 0,
+            baseline_step_ms=self._baseline_ms if self.state is RebalanceState.TRIAL else None,
+            per_sample_ms=last.per_sample_ms,
+        )
+        return self._last
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Everything the next decision depends on, as plain JSON-able data (versioned)."""
+
+        def measures(ms: Sequence[WindowMeasure]) -> list[dict[str, Any]]:
+            return [
+                {
+                    "first_step": w.first_step,
+                    "last_step": w.last_step,
+                    "shares": list(w.shares),
+                    "uniform": w.uniform,
+                    "batches": w.batches,
+                    "compute_ms": list(w.compute_ms),
+                    "wait_ms": list(w.wait_ms),
+                    "per_sample_ms": list(w.per_sample_ms),
+                    "step_ms": w.step_ms,
+                    "paced": w.paced,
+                }
+                for w in ms
+            ]
+
+        last = self._last
+        return {
+            "version": STATE_VERSION,
+            "world_size": self.world_size,
+            "global_batch": self.global_batch,
+            "state": self.state.value,
+            "shares": list(self._shares),
+            "since": self._since,
+            "previous": list(self._previous),
+            "streak": measures(self._streak),
+            "baseline": list(self._baseline),
+            "trial": measures(self._trial),
+            "paced_in_trial": self._paced_in_trial,
+            "before_compute": list(self._before_compute),
+            "before_per_sample": list(self._before_per_sample),
+            "batches": self._batches,
+            "baseline_ms": self._baseline_ms,
+            "noise_ms": self._noise_ms,
+            "state_windows": self._state_windows,
+            "failed": self._failed,
+            "cooldown_len": self._cooldown_len,
+            "last_window": last.window,
+            "last_reason": last.reason,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned. Raises :class:`PacingStateError` (and changes
+        nothing) for a newer version, a missing or mistyped field, or another world size or batch."""
+        s = check_state(state, "the rebalancing controller's state", _STATE_FIELDS)
+        for key, here in (("world_size", self.world_size), ("global_batch", self.global_batch)):
+            if s[key] != here:
+                raise PacingStateError(
+                    f"the rebalancing controller's state was saved with {key} {s[key]}, this run has {here}: "
+                    "per-rank shares do not carry over; rebalancing starts fresh from the even split."
+                )
+        try:
+            state_now = RebalanceState(s["state"])
+            shares, previous = _ints(s["shares"], self.world_size), _ints(s["previous"], self.world_size)
+            streak, trial = [_measure(w) for w in s["streak"]], [_measure(w) for w in s["trial"]]
+            baseline = [float(v) for v in s["baseline"]]
+            before_compute = tuple(float(v) for v in s["before_compute"])
+            before_per_sample = tuple(float(v) for v in s["before_per_sample"])
+        except (TypeError, ValueError, KeyError) as error:
+            raise PacingStateError(f"the rebalancing controller's state does not load: {error}") from error
+        self.state = state_now
+        self._shares, self._previous = shares, previous
+        self._since = s["since"]
+        self._streak, self._trial, self._baseline = streak, trial, baseline
+        self._paced_in_trial = s["paced_in_trial"]
+        self._before_compute, self._before_per_sample = before_compute, before_per_sample
+        self._batches = s["batches"]
+        self._baseline_ms = None if s["baseline_ms"] is None else float(s["baseline_ms"])
+        self._noise_ms = float(s["noise_ms"])
+        self._state_windows, self._failed, self._cooldown_len = (
+            s["state_windows"],
+            s["failed"],
+            s["cooldown_len"],
+        )
+        self._last = RebalanceDecision(s["last_window"], self.state, self._shares, s["last_reason"])
+
+
+_OPTIONAL_NUMBER = (int, float, type(None))
+#: the fields of RebalancePolicy.state_dict() and their types
+_STATE_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "world_size": int,
+    "global_batch": int,
+    "state": str,
+    "shares": list,
+    "since": int,
+    "previous": list,
+    "streak": list,
+    "baseline": list,
+    "trial": list,
+    "paced_in_trial": int,
+    "before_compute": list,
+    "before_per_sample": list,
+    "batches": int,
+    "baseline_ms": _OPTIONAL_NUMBER,
+    "noise_ms": (int, float),
+    "state_windows": int,
+    "failed": int,
+    "cooldown_len": int,
+    "last_window": int,
+    "last_reason": str,
+}
+
+
+def _ints(values: Sequence[Any], world_size: int) -> tuple[int, ...]:
+    if len(values) != world_size or any(type(v) is not int for v in values):
+        raise ValueError(f"{values!r} is not one integer per rank of {world_size}")
+    return tuple(values)
+
+
+def _measure(w: Mapping[str, Any]) -> WindowMeasure:
+    return WindowMeasure(
+        first_step=int(w["first_step"]),
+        last_step=int(w["last_step"]),
+        shares=tuple(int(v) for v in w["shares"]),
+        uniform=bool(w["uniform"]),
+        batches=int(w["batches"]),
+        compute_ms=tuple(float(v) for v in w["compute_ms"]),
+        wait_ms=tuple(float(v) for v in w["wait_ms"]),
+        per_sample_ms=tuple(float(v) for v in w["per_sample_ms"]),
+        step_ms=float(w["step_ms"]),
+        paced=bool(w["paced"]),
+    )

@@ -1,0 +1,326 @@
+#!/usr/bin/env python
+"""Exercise every CUDA path of pace_strategy on one GPU in a few minutes; one line per check.
+
+    python scripts/gpu_check.py [--out DIR] [--steps N]
+
+Prints ``PASS name: what was seen``, ``FAIL name: why`` or ``SKIP name: why`` for each check and exits 1
+when any check failed. Without CUDA every check is skipped, saying why, and the exit status is 0 (so
+that it can run anywhere). Each group of checks runs in its own process, so one crash or hang fails
+only its own checks:
+
+- ``paced_ddp_nccl``: Lightning ``paced_ddp`` on one GPU, NCCL, CUDA-event timing, run record written;
+- ``paced_fsdp``: Lightning ``paced_fsdp`` (FSDP2) on one GPU;
+- ``device_delay``: the pacing delay is a device-side spin: the stream waits, the host does not;
+- ``gloo_ranks_share_gpu``: two gloo ranks on the same GPU, timed with CUDA events, pacing forced on;
+- ``parity_with_ddp``: those ranks end with bit-identical weights paced and with plain DDP;
+- ``run_record_and_diagnosis``: their run record reads back, summarizes and is diagnosed.
+
+The jobs are the project's own: the recipe job (``pace_strategy.apps.recipes``) and its model and data
+(``pace_strategy.apps.job``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+#: check -> the child job that runs it, in the order they are printed
+CHECKS: dict[str, str] = {
+    "paced_ddp_nccl": "lightning_ddp",
+    "paced_fsdp": "lightning_fsdp",
+    "device_delay": "device_delay",
+    "gloo_ranks_share_gpu": "gloo_ranks",
+    "parity_with_ddp": "gloo_ranks",
+    "run_record_and_diagnosis": "gloo_ranks",
+}
+JOB_TIMEOUT_S = 150.0  #: most one child job may take
+TOTAL_BUDGET_S = 290.0  #: all jobs together: the script ends within 5 minutes, failing what did not run
+GLOO_RANKS = 2
+#: ``--rehearse-on-cpu`` (hidden; for developing this script without a GPU) runs the jobs on the CPU:
+#: the CUDA-specific expectations then fail, but every other line of the jobs runs
+REHEARSE_ENV = "PACE_GPU_CHECK_ON_CPU"
+
+
+def _on_cpu() -> bool:
+    return os.environ.get(REHEARSE_ENV) == "1"
+
+
+Result = dict[str, tuple[str, str]]  #: check -> ("PASS" | "FAIL", detail)
+
+
+def _check(results: Result, name: str, ok: bool, detail: str) -> None:
+    results[name] = ("PASS" if ok else "FAIL", detail)
+
+
+# ------------------------------------------------------------------------------------- Lightning
+def _lightning(strategy: str, out: Path, steps: int) -> Result:
+    from pace_strategy.apps.recipes import TrainRecipe, one_thread_per_rank, run_lightning
+    from pace_strategy.integrations.accelerate.env import RUN_DIR_ENV
+    from pace_strategy.settings import build
+    from pace_strategy.telemetry.run_record import read_run_record
+
+    one_thread_per_rank()
+    # one process has no skew to monitor: the strategy writes a record only when asked to (it goes
+    # to the logger's log_dir, which comes first)
+    os.environ[RUN_DIR_ENV] = str(out)
+    recipe = build(
+        TrainRecipe,
+        {
+            "trainer": {
+                "accelerator": "cpu" if _on_cpu() else "gpu",
+                "devices": 1,
+                "strategy": strategy,
+                "max_steps": steps,
+            },
+            "model": {"compute_ms": 0.0},
+            "output": {"root": str(out), "name": strategy},
+            "pacing": {"exchange_every_steps": 8, "warmup_steps": 2},
+        },
+    )
+    trainer = run_lightning(recipe, quiet=True)
+    record = read_run_record(trainer.logger.log_dir)
+    timed = [s for s in record.steps if s["valid"] and not s["warmup"]]
+    device = record.header["topology"][0]["device"]
+    name = "paced_ddp_nccl" if strategy == "paced_ddp" else "paced_fsdp"
+    seen = f"{trainer.global_step} steps on {device}, {len(record.steps)} in the record, {len(timed)} timed"
+    if strategy == "paced_ddp":
+        backend = getattr(trainer.strategy, "process_group_backend", None)
+        ok = device.startswith("cuda") and backend == "nccl" and len(timed) >= steps - 4
+        detail = f"{seen}, backend {backend}"
+    else:
+        # On one process FSDP2 may issue no collective (on CPU it issues none): then no sync point is
+        # timed and this check shows that the strategy trains and records on CUDA. Its collectives
+        # are timed with two or more ranks, which NCCL does not allow on one GPU.
+        ok = device.startswith("cuda") and len(record.steps) == steps
+        detail = seen if timed else f"{seen} (one process: no FSDP collective was timed)"
+    if timed:
+        detail += f", median step {sorted(s['step_ms'] or 0.0 for s in timed)[len(timed) // 2]:.2f} ms"
+    return {name: ("PASS" if ok else "FAIL", detail)}
+
+
+# ------------------------------------------------------------------------------------- device delay
+def _device_delay(out: Path, steps: int) -> Result:
+    import torch
+
+    from pace_strategy.core.clock import CudaEventClock
+
+    clock = CudaEventClock(torch.device("cuda", 0))
+    clock.delay(1.0)  # calibrates the spin kernel once
+    torch.cuda.synchronize()
+    want_ms = 50.0
+    started = time.perf_counter()
+    a = clock.mark()
+    clock.delay(want_ms)
+    b = clock.mark()
+    host_ms = (time.perf_counter() - started) * 1e3
+    stream_ms = clock.elapsed_ms(a, b)
+    # loose bounds: a spin calibrated once, on a device that may be shared; what matters is that the
+    # stream waited about that long while the host did not
+    ok = 0.5 * want_ms <= stream_ms <= 2 * want_ms and host_ms < want_ms / 2
+    detail = (
+        f"{want_ms:g} ms delay: the stream waited {stream_ms:.1f} ms, the host call took {host_ms:.2f} ms"
+    )
+    return {"device_delay": ("PASS" if ok else "FAIL", detail)}
+
+
+# ------------------------------------------------------------------------------------- gloo ranks
+def _gloo_rank(rank: int, world: int, out: str, steps: int) -> None:
+    """One rank: the example model trained with plain DDP, then paced (forced), both on cuda:0 over gloo."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from pace_strategy import PacingConfig, attach_paced_ddp
+    from pace_strategy.apps.job import build_net, make_dataset
+    from pace_strategy.apps.recipes import TrainRecipe, one_thread_per_rank
+    from pace_strategy.session import PacingSession
+    from pace_strategy.settings import build
+
+    one_thread_per_rank()
+    device = torch.device("cpu") if _on_cpu() else torch.device("cuda", 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.FileStore(os.path.join(out, "store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    recipe = build(
+        TrainRecipe, {"trainer": {"max_steps": steps, "devices": world}, "model": {"compute_ms": 0}}
+    )
+    x_all, y_all = make_dataset(recipe, world).tensors
+    batch = recipe.data.batch_size
+    weights: dict[str, dict[str, torch.Tensor]] = {}
+    clock = ""
+    for arm in ("plain", "paced"):
+        torch.manual_seed(recipe.seed)
+        model = DDP(build_net(recipe.model).to(device), device_ids=[0] if device.type == "cuda" else None)
+        session = None
+        if arm == "paced":
+            config = PacingConfig(
+                mode="forced",
+                exchange_every_steps=4,
+                warmup_steps=1,
+                max_delay_step_fraction=0.5,
+                persist_fraction=0.5,
+            )
+            session = PacingSession.with_side_group(
+                config, rank=rank, world_size=world, device=device, framework="torch", log_dir=out
+            )
+            attach_paced_ddp(model, session.pacer)
+            clock = type(session.pacer.clock).__name__
+        opt = torch.optim.SGD(model.parameters(), lr=recipe.model.lr)
+        for step in range(steps):
+            first = (step * world + rank) * batch
+            x, y = x_all[first : first + batch].to(device), y_all[first : first + batch].to(device)
+            if session is not None:
+                session.pacer.begin_step(step)
+            if rank == world - 1:
+                time.sleep(0.01)  # a 10 ms straggler: the other ranks lead, and are paced
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if session is not None:
+                session.end_step()
+        if session is not None:
+            session.finish()
+        weights[arm] = {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
+    if rank == 0:
+        saved = {"weights": weights, "clock": clock, "device": str(device)}
+        torch.save(saved, os.path.join(out, "gloo_rank0.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _gloo_ranks(out: Path, steps: int) -> Result:
+    import torch
+    import torch.multiprocessing as mp
+
+    from pace_strategy.diagnose import diagnose, load_arrays
+    from pace_strategy.telemetry.run_record import read_run_record, summarize
+
+    mp.start_processes(
+        _gloo_rank, args=(GLOO_RANKS, str(out), steps), nprocs=GLOO_RANKS, start_method="spawn"
+    )
+    saved = torch.load(out / "gloo_rank0.pt")
+    record = read_run_record(out)
+    timed = [s for s in record.steps if s["valid"] and not s["warmup"]]
+    delayed = max((s["delay_ms_max"] or 0.0 for s in timed), default=0.0)
+    results: Result = {}
+    _check(
+        results,
+        "gloo_ranks_share_gpu",
+        saved["clock"] == "CudaEventClock" and len(timed) >= steps - 4,
+        f"{GLOO_RANKS} gloo ranks on {saved['device']}, clock {saved['clock']}, {len(timed)} timed steps, "
+        f"largest delay {delayed:.2f} ms",
+    )
+    plain, paced = saved["weights"]["plain"], saved["weights"]["paced"]
+    differ = [k for k in plain if not torch.equal(plain[k], paced[k])]
+    _check(
+        results,
+        "parity_with_ddp",
+        not differ and delayed > 0,
+        f"{len(plain)} tensors bit-identical after {steps} steps with delays up to {delayed:.2f} ms"
+        if not differ and delayed > 0
+        else f"tensors differ: {differ}"
+        if differ
+        else "no delay was applied: parity under pacing not shown",
+    )
+    summary = summarize(record)
+    diagnosis = diagnose(load_arrays(out), project_ranks=None)
+    _check(
+        results,
+        "run_record_and_diagnosis",
+        record.end is not None and record.end["status"] == "completed" and summary.steps > 0,
+        f"record {record.path.name}: {len(record.steps)} steps, status "
+        f"{(record.end or {}).get('status')}; diagnosis: {diagnosis.summary}",
+    )
+    return results
+
+
+JOBS: dict[str, Callable[[Path, int], Result]] = {
+    "lightning_ddp": lambda out, steps: _lightning("paced_ddp", out, steps),
+    "lightning_fsdp": lambda out, steps: _lightning("paced_fsdp", out, steps),
+    "device_delay": _device_delay,
+    "gloo_ranks": _gloo_ranks,
+}
+
+
+# ------------------------------------------------------------------------------------- driver
+def _no_cuda_reason() -> str | None:
+    try:
+        import torch
+    except ImportError as error:
+        return f"torch is not importable ({error})"
+    if not torch.cuda.is_available():
+        build = torch.version.cuda
+        why = "this torch is a CPU build" if build is None else f"torch (CUDA {build}) sees no GPU"
+        return f"CUDA is not available: {why}"
+    return None
+
+
+def _run_child(job: str, out: Path, steps: int, timeout_s: float) -> Result:
+    """Run one job in its own process; its checks fail (with the reason) if it crashes or hangs."""
+    names = [name for name, j in CHECKS.items() if j == job]
+    result_file = out / f"{job}.json"
+    cmd = [sys.executable, __file__, "--child", job, "--out", str(out), "--steps", str(steps)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {name: ("FAIL", f"job {job} did not finish within {timeout_s:.0f} s") for name in names}
+    if proc.returncode != 0 or not result_file.exists():
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+        return {name: ("FAIL", f"job {job} exited {proc.returncode}: {tail}") for name in names}
+    loaded = json.loads(result_file.read_text())
+    missing = ["FAIL", f"job {job} did not report it"]
+    return {name: (str(loaded.get(name, missing)[0]), str(loaded.get(name, missing)[1])) for name in names}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--out", default=None, help="where the jobs write their logs and records (default: a temp dir)"
+    )
+    p.add_argument("--steps", type=int, default=40, help="training steps per job (default 40)")
+    p.add_argument("--child", choices=sorted(JOBS), help=argparse.SUPPRESS)
+    p.add_argument("--rehearse-on-cpu", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.rehearse_on_cpu:
+        os.environ[REHEARSE_ENV] = "1"  # inherited by the child jobs
+    if args.child:
+        out = Path(args.out)  # one job, in its own process: write its results for the driver
+        job_out = out / args.child
+        job_out.mkdir(parents=True, exist_ok=True)
+        results: dict[str, Any] = JOBS[args.child](job_out, args.steps)
+        (out / f"{args.child}.json").write_text(json.dumps(results))
+        sys.stdout.flush()
+        os._exit(0)  # skip finalization: see pace_strategy.apps.recipes.leave_without_finalization
+    reason = None if _on_cpu() else _no_cuda_reason()
+    if reason is not None:
+        for name in CHECKS:
+            print(f"SKIP {name}: {reason}", flush=True)
+        return 0
+    out = Path(args.out or tempfile.mkdtemp(prefix="pace_gpu_check_"))
+    out.mkdir(parents=True, exist_ok=True)
+    started, failed, done = time.monotonic(), 0, {}
+    for name, job in CHECKS.items():
+        if name not in done:
+            left_s = TOTAL_BUDGET_S - (time.monotonic() - started)
+            done.update(_run_child(job, out, args.steps, min(JOB_TIMEOUT_S, max(left_s, 1.0))))
+        status, detail = done[name]
+        failed += status == "FAIL"
+        print(f"{status} {name}: {detail}", flush=True)
+    elapsed = time.monotonic() - started
+    print(f"gpu_check: {len(CHECKS) - failed}/{len(CHECKS)} passed in {elapsed:.0f} s; logs in {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

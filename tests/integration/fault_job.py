@@ -1,0 +1,100 @@
+"""One rank of a bare torch DDP job with a paced session, for the fault tests (test_hang, test_elastic).
+
+``python fault_job.py RUN_DIR [options]``. Under torchrun the rank, world size and store come from the
+environment; with ``--store-port`` the ranks rendezvous on the test's own TCPStore (``--rank``,
+``--world``), so that a stopped rank does not take the store with it, as under torchrun. Each rank
+trains a tiny model for ``--steps`` steps and writes ``RUN_DIR/reached{rank}`` after ``--ready-at``.
+Faults: ``--sleep-rank`` sleeps inside its step ``--sleep-at`` (blocked, heartbeat live);
+``--exit-rank`` dies with ``os._exit(1)`` at step ``--exit-at`` on the job's first attempt only
+(``TORCHELASTIC_RESTART_COUNT`` 0). The tests stop ranks with SIGSTOP themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from pace_strategy import PacingConfig, attach_paced_ddp
+from pace_strategy.apps.recipes import leave_without_finalization
+from pace_strategy.session import PacingSession
+
+
+def _init(args: argparse.Namespace) -> tuple[int, int]:
+    # The training group's own timeout is long: only the watchdog may end a hang within a test.
+    timeout = timedelta(seconds=60)
+    if args.store_port is None:  # torchrun: env://
+        dist.init_process_group("gloo", timeout=timeout)
+    else:
+        store = dist.TCPStore("127.0.0.1", args.store_port, args.world, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world, timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("run_dir")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--store-port", type=int, default=None)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--ready-at", type=int, default=6)
+    p.add_argument("--sleep-rank", type=int, default=-1)
+    p.add_argument("--sleep-at", type=int, default=-1)
+    p.add_argument("--exit-rank", type=int, default=-1)
+    p.add_argument("--exit-at", type=int, default=-1)
+    p.add_argument("--hang-timeout", type=float, default=120.0)
+    p.add_argument("--hang-action", default="abort")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    torch.set_num_threads(1)
+    run_dir = Path(args.run_dir)
+    rank, world = _init(args)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    config = PacingConfig(
+        mode="monitor",
+        exchange_every_steps=4,
+        warmup_steps=1,
+        hang_timeout_s=args.hang_timeout,
+        hang_action=args.hang_action,
+    )
+    session = PacingSession.with_side_group(
+        config,
+        rank=rank,
+        world_size=world,
+        device=torch.device("cpu"),
+        framework="torch",
+        log_dir=run_dir if rank == 0 else None,
+    )
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(8, 4))
+    attach_paced_ddp(model, session.pacer)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    for step in range(args.steps):
+        session.pacer.begin_step(step)
+        time.sleep(0.01)  # stands in for compute: keeps the 2 cores free for the other ranks
+        if rank == args.sleep_rank and step == args.sleep_at:
+            time.sleep(600)
+        if rank == args.exit_rank and step == args.exit_at and first_attempt:
+            os._exit(1)  # a rank that dies: torchrun stops the others and restarts the job
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        session.end_step()
+        if step + 1 == args.ready_at:
+            (run_dir / f"reached{rank}").write_text(str(step))
+    session.finish()
+    dist.destroy_process_group()
+    leave_without_finalization(0)
+
+
+if __name__ == "__main__":
+    main()

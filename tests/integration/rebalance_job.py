@@ -1,0 +1,197 @@
+"""Rebalancing exactness jobs (2 CPU ranks): ``python rebalance_job.py OUT`` (Lightning, Fabric) and
+``accelerate launch ... rebalance_job.py OUT accelerate`` (Accelerate's ``attach_pacing``).
+
+Trainer fits in the same two processes, each from the same seeded model: (1) ``rebalance=True``
+with a fixed uneven schedule changed twice during the run (the decision is held off, so that only
+the test's entries apply), checkpointed mid-epoch, (2) resumed from that checkpoint, (3)
+``paced_ddp`` with ``rebalance=False`` and (4) stock ``ddp``; then (5)
+Fabric's ``paced_ddp`` with ``rebalance=True`` and the same schedule; under accelerate, the same
+with ``attach_pacing``. Each rank writes the dataset indices of every batch it trained and rank 0
+the final weights, under OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from pace_strategy.apps.recipes import leave_without_finalization
+from pace_strategy.integrations.lightning import PacedDDPStrategy
+
+SAMPLES = 100  # 6 full steps of 16 and a partial one of 4 per epoch
+BATCH = 8  # per rank: a global batch of 16
+EPOCHS = 2
+LR = 0.1
+#: the fixed schedule: (from step, shares); steps 0-2 even, then uneven, then the other way round
+ENTRIES = ((3, (12, 4)), (9, (3, 13)))
+#: the rebalanced fit checkpoints after this many steps (mid-epoch, after the first share change);
+#: the "resumed" fit continues from there
+SAVE_AT = 5
+#: rebalancing on, its own decision held off (only the fixed entries apply)
+PACING = {"rebalance": True, "rebalance_persist_windows": 10_000, "exchange_every_steps": 4}
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(SAMPLES, 6, generator=g)
+    return TensorDataset(x, torch.randint(0, 3, (SAMPLES,), generator=g), torch.arange(SAMPLES))
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+class Module(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = net()
+        self.trained: list[dict[str, Any]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, idx = batch
+        self.trained.append({"step": self.trainer.global_step, "indices": idx.tolist()})
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+class FixedShares(L.Callback):
+    """Adds the test's entries before the first batch is built (identically on every rank), and saves
+    a checkpoint to ``save`` after step SAVE_AT (the resumed fit gets the entries from it)."""
+
+    def __init__(self, save: Path) -> None:
+        self.save = save
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        rebalance = trainer.strategy.pacing.rebalance  # type: ignore[attr-defined]
+        assert rebalance is not None and rebalance.schedule is not None, "rebalancing is not attached"
+        for from_step, shares in ENTRIES:
+            rebalance.schedule.add(from_step, shares, "test")
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == SAVE_AT:
+            trainer.save_checkpoint(self.save)
+
+
+def fit(name: str, out: Path) -> None:
+    callbacks: list[L.Callback] = []
+    checkpoint = out / "rebalanced.ckpt"
+    if name in ("rebalanced", "resumed"):
+        strategy: Any = PacedDDPStrategy(pacing=PACING)
+        if name == "rebalanced":
+            callbacks.append(FixedShares(checkpoint))
+    elif name == "paced":
+        strategy = PacedDDPStrategy(pacing={"rebalance": False, "exchange_every_steps": 4})
+    else:
+        strategy = "ddp"
+    L.seed_everything(3, verbose=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=EPOCHS,
+        logger=False,
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+    )
+    module = Module()
+    resume = checkpoint if name == "resumed" else None
+    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH, shuffle=True), ckpt_path=resume)
+    rank = trainer.global_rank
+    (out / f"{name}_rank{rank}.json").write_text(json.dumps(module.trained))
+    if rank == 0:
+        torch.save({k: v.detach().clone() for k, v in module.net.state_dict().items()}, out / f"{name}.pt")
+
+
+def fabric_fit(out: Path) -> None:
+    from lightning.fabric import Fabric
+
+    from pace_strategy.integrations.fabric import PacedFabricDDPStrategy, finish_pacing
+
+    strategy = PacedFabricDDPStrategy(pacing=PACING)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    fabric.seed_everything(3, verbose=False)
+    model = net()
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
+    loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=BATCH, shuffle=True))
+    rebalance = strategy.pacing.rebalance
+    assert rebalance is not None and rebalance.schedule is not None, "rebalancing is not attached"
+    for from_step, shares in ENTRIES:
+        rebalance.schedule.add(from_step, shares, "test")
+    trained, step = [], 0
+    for _ in range(EPOCHS):
+        for x, y, idx in loader:
+            trained.append({"step": step, "indices": idx.tolist()})
+            fabric.backward(nn.functional.cross_entropy(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+    finish_pacing(fabric)
+    (out / f"fabric_rank{fabric.global_rank}.json").write_text(json.dumps(trained))
+    if fabric.global_rank == 0:
+        torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, out / "fabric.pt")
+
+
+def accelerate_fit(out: Path) -> None:
+    from accelerate import Accelerator
+
+    from pace_strategy.core.config import PacingConfig
+    from pace_strategy.integrations.accelerate import attach_pacing
+
+    accelerator = Accelerator()
+    model = net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    loader = DataLoader(dataset(), batch_size=BATCH, shuffle=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    handle = attach_pacing(
+        accelerator, model, PacingConfig(**PACING), optimizer=optimizer, dataloaders=[loader], run_dir=out
+    )
+    assert handle.rebalance is not None and handle.rebalance.schedule is not None, (
+        "rebalancing is not attached"
+    )
+    for from_step, shares in ENTRIES:
+        handle.rebalance.schedule.add(from_step, shares, "test")
+    trained, step = [], 0
+    for _ in range(EPOCHS):
+        for x, y, idx in loader:
+            trained.append({"step": step, "indices": idx.tolist()})
+            accelerator.backward(nn.functional.cross_entropy(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+    handle.finish()
+    rank = accelerator.process_index
+    (out / f"accelerate_rank{rank}.json").write_text(json.dumps(trained))
+    if rank == 0:
+        weights = accelerator.unwrap_model(model).state_dict()
+        torch.save({k: v.detach().clone() for k, v in weights.items()}, out / "accelerate.pt")
+    accelerator.end_training()
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    if sys.argv[2:] == ["accelerate"]:
+        accelerate_fit(out)
+        leave_without_finalization(0)
+    for name in ("rebalanced", "resumed", "paced", "ddp"):
+        fit(name, out)
+    fabric_fit(out)
+    leave_without_finalization(0)  # gloo's finalization race (see there)
+
+
+if __name__ == "__main__":
+    main()

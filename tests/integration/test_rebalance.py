@@ -1,0 +1,149 @@
+"""Rebalancing's exact math with real Lightning DDP, Fabric and Accelerate (2 CPU processes, gloo): one run of
+``rebalance_job.py`` (four fits in the same processes) and its Accelerate job, read by several tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pace_strategy.data.phases import share_phases
+from pace_strategy.telemetry import read_run_record
+from tests.integration import rebalance_job as job
+from tests.integration.helpers import ACCELERATE_CPU_CONFIG, demo_command, free_port, only_version_dir
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+#: float32 weights after 14 SGD steps: DDP's all-reduce and a single process sum the same terms in a
+#: different order, so they agree to rounding, not to the bit.
+RTOL, ATOL = 1e-5, 1e-6
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    """The three launches at once (Lightning + Fabric; Accelerate; the slow-device demo), into one
+    directory (the demo's under runs/)."""
+    out = tmp_path_factory.mktemp("rebalance")
+    config = out / "accelerate.yaml"
+    config.write_text(ACCELERATE_CPU_CONFIG.format(kind="MULTI_GPU"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1")
+    script = str(Path(job.__file__))
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    commands = {
+        "demo": demo_command(out, "--scenario", "slow-device", "--steps", "64", "--quiet"),
+        "lightning": [sys.executable, script, str(out)],
+        "accelerate": [*accelerate, "--main_process_port", str(free_port()), script, str(out), "accelerate"],
+    }
+    started = {
+        name: subprocess.Popen(
+            command, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for name, command in commands.items()
+    }
+    for name, process in started.items():
+        try:
+            output, _ = process.communicate(timeout=150)
+        finally:
+            process.kill()  # only on a timeout: the others are done
+        assert process.returncode == 0, f"{name} job failed:\n{output[-4000:]}"
+        (out / f"{name}.out").write_text(output)
+    return out
+
+
+def _trained(run: Path, name: str) -> list[list[dict]]:
+    return [json.loads((run / f"{name}_rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def _expected_shares(step: int) -> tuple[int, int]:
+    shares = (8, 8)
+    for from_step, entry in job.ENTRIES:
+        if step >= from_step:
+            shares = entry
+    return shares
+
+
+@pytest.mark.parametrize("name", ["rebalanced", "fabric", "accelerate"])
+def test_each_rank_trains_its_scheduled_share_and_every_sample_once_per_epoch(run, name):
+    ranks = _trained(run, name)
+    steps_per_epoch = -(-job.SAMPLES // (2 * job.BATCH))
+    assert [b["step"] for b in ranks[0]] == list(range(job.EPOCHS * steps_per_epoch))
+    epochs = []
+    for t, (a, b) in enumerate(zip(*ranks, strict=True)):
+        sizes = (len(a["indices"]), len(b["indices"]))
+        if t % steps_per_epoch == steps_per_epoch - 1:  # the partial step: 4 samples, split by share
+            assert sum(sizes) == job.SAMPLES % (2 * job.BATCH) and min(sizes) >= 1
+        else:
+            assert sizes == _expected_shares(t), f"step {t}"
+        if t % steps_per_epoch == 0:
+            epochs.append([])
+        epochs[-1] += a["indices"] + b["indices"]
+    for seen in epochs:
+        assert sorted(seen) == list(range(job.SAMPLES))
+    assert epochs[0] != epochs[1], "set_epoch did not reach the sampler: the same order twice"
+
+
+@pytest.mark.parametrize("name", ["rebalanced", "fabric", "accelerate"])
+def test_rebalanced_ddp_matches_one_process_trained_on_the_same_global_batches(run, name):
+    ranks = _trained(run, name)
+    got = torch.load(run / f"{name}.pt")
+    for key, want in _single_process(ranks, scaled=True).items():
+        torch.testing.assert_close(got[key], want, rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{k}: {m}")
+    # and the scale mattered: DDP's plain mean of the two ranks' means is another update
+    unscaled = _single_process(ranks, scaled=False)
+    assert max((got[k] - unscaled[k]).abs().max().item() for k in got) > 100 * ATOL
+
+
+def _single_process(ranks: list[list[dict]], scaled: bool) -> dict[str, torch.Tensor]:
+    """One process trained on each step's global batch (the ranks' batches together): the mean over
+    its samples, or (``scaled=False``) the mean of the ranks' own means."""
+    x, y, _ = job.dataset().tensors
+    reference = job.net()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=job.LR)
+    for a, b in zip(*ranks, strict=True):
+        optimizer.zero_grad()
+        parts = [torch.tensor(a["indices"]), torch.tensor(b["indices"])]
+        if scaled:
+            batch = torch.cat(parts)
+            loss = nn.functional.cross_entropy(reference(x[batch]), y[batch])
+        else:
+            loss = sum(nn.functional.cross_entropy(reference(x[p]), y[p]) for p in parts) / 2
+        loss.backward()
+        optimizer.step()
+    return reference.state_dict()
+
+
+def test_resume_mid_epoch_continues_with_the_same_batches_shares_and_weights(run):
+    whole, resumed = _trained(run, "rebalanced"), _trained(run, "resumed")
+    # the resumed fit added no entries: its shares and position came from the checkpoint
+    for rank in (0, 1):
+        assert resumed[rank] == whole[rank][job.SAVE_AT :]
+    got, want = torch.load(run / "resumed.pt"), torch.load(run / "rebalanced.pt")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_rebalance_off_is_bit_identical_to_plain_ddp(run):
+    assert _trained(run, "paced") == _trained(run, "ddp")
+    paced, plain = torch.load(run / "paced.pt"), torch.load(run / "ddp.pt")
+    assert paced.keys() == plain.keys()
+    for key in paced:
+        assert torch.equal(paced[key], plain[key]), key
+
+
+def test_slow_device_demo_names_the_straggler_and_moves_samples_off_it(run):
+    output = (run / "demo.out").read_text()
+    assert "straggler             rank 1 in" in output  # the summary names it
+    assert "rebalancing (per-rank samples per step, as trained):" in output and "samples/s" in output
+    record = read_run_record(only_version_dir(run, "slow-device"))
+    phases = share_phases(record.steps)
+    assert phases[0].shares == (32, 32)
+    # rank 1 is twice as slow per sample (as measured, whatever the machine's load: both are sleeps)
+    assert phases[0].ms_per_sample[1] > 1.5 * phases[0].ms_per_sample[0]
+    moved = [p for p in phases if p.shares[1] < p.shares[0]]
+    assert moved, [p.shares for p in phases]
+    assert all(sum(p.shares) == 64 and min(p.shares) >= 8 for p in phases)
