@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,22 @@ def fit(name: str, out: Path) -> None:
         torch.save({k: v.detach().clone() for k, v in module.net.state_dict().items()}, out / f"{name}.pt")
 
 
+def train_loop(
+    loader: Iterable[Any], model: nn.Module, optimizer: torch.optim.Optimizer, backward: Callable[[Any], Any]
+) -> list[dict[str, Any]]:
+    """EPOCHS of plain SGD steps through ``backward`` (Fabric's or Accelerate's); the sample indices
+    each step trained, in order."""
+    trained, step = [], 0
+    for _ in range(EPOCHS):
+        for x, y, idx in loader:
+            trained.append({"step": step, "indices": idx.tolist()})
+            backward(nn.functional.cross_entropy(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+    return trained
+
+
 def fabric_fit(out: Path) -> None:
     from lightning.fabric import Fabric
 
@@ -131,14 +148,7 @@ def fabric_fit(out: Path) -> None:
     assert rebalance is not None and rebalance.schedule is not None, "rebalancing is not attached"
     for from_step, shares in ENTRIES:
         rebalance.schedule.add(from_step, shares, "test")
-    trained, step = [], 0
-    for _ in range(EPOCHS):
-        for x, y, idx in loader:
-            trained.append({"step": step, "indices": idx.tolist()})
-            fabric.backward(nn.functional.cross_entropy(model(x), y))
-            optimizer.step()
-            optimizer.zero_grad()
-            step += 1
+    trained = train_loop(loader, model, optimizer, fabric.backward)
     finish_pacing(fabric)
     (out / f"fabric_rank{fabric.global_rank}.json").write_text(json.dumps(trained))
     if fabric.global_rank == 0:
@@ -164,14 +174,7 @@ def accelerate_fit(out: Path) -> None:
     )
     for from_step, shares in ENTRIES:
         handle.rebalance.schedule.add(from_step, shares, "test")
-    trained, step = [], 0
-    for _ in range(EPOCHS):
-        for x, y, idx in loader:
-            trained.append({"step": step, "indices": idx.tolist()})
-            accelerator.backward(nn.functional.cross_entropy(model(x), y))
-            optimizer.step()
-            optimizer.zero_grad()
-            step += 1
+    trained = train_loop(loader, model, optimizer, accelerator.backward)
     handle.finish()
     rank = accelerator.process_index
     (out / f"accelerate_rank{rank}.json").write_text(json.dumps(trained))
