@@ -8,29 +8,37 @@ fixed per-step sleep), one rank ``FACTOR`` times slower per sample (``--slow-dev
 that it decides within the run. Each repetition runs the two arms back to back, in alternating
 order (AB, BA, ...), so both see the same minutes of a shared machine.
 
-Reported per case: samples/s of each arm over the steps after ``--skip`` (rank 0's wall time
-between batch ends, the same ruler for both; the global batch is constant), the candidate/baseline
-ratio (median over repetitions, and its spread), the split the candidate ended at, and each arm
-against the capacity bound: the sum of the ranks' speeds (1 / per-sample compute time), measured
-from the candidate's run record in its even phase (compute time to the sync point over samples; it
-leaves out the all-reduce and the optimizer, so 100% is out of reach). With one rank FACTOR x slower
-of W, plain DDP's theoretical share of the bound is W / (FACTOR * (W - 1 + 1/FACTOR)).
+Reported per case: samples/s of each arm over the steps after ``--skip`` (rank 0's wall time between
+batch ends, the same ruler for both; the global batch is constant), the candidate/baseline ratio
+(median over repetitions, and its spread), the split the candidate ended at, the bound of the best
+split in whole quanta, what is attainable (that split's step plus the measured per-step time outside
+compute), and each arm against the capacity bound: the sum of the ranks' speeds (1 / per-sample
+compute time), measured from the candidate's run record in its even phase (compute time to the sync
+point over samples; it leaves out the all-reduce and the optimizer, so 100% is out of reach). With
+one rank FACTOR x slower of W, plain DDP's theoretical share of the bound is W / (FACTOR * (W - 1 +
+1/FACTOR)).
 
 The clean case's own cost, which run-level A/B cannot resolve on a shared machine, is measured
 apart first (``--data-path-batches``): in one process, epochs through a DataLoader with the
 ``DistributedSampler`` Lightning injects and through one with ``ShareBatchSampler`` (plus the
 per-batch ``pop_built`` the integrations call), in alternating order: microseconds per batch.
 
-    python benchmarks/rebalance.py                         # 2 and 4 ranks, factors 1, 1.5, 2 (~15 min)
+The two-node cases (``--node-ranks``, root only) run each arm on 2 emulated nodes of the test bed
+(network namespaces on one bridge), rank 1 being node 0's second local rank.
+
+    python benchmarks/rebalance.py --reps 3     # 2, 4 ranks x 1, 1.5, 2; 4 on 2 nodes x 2 (~25 min)
     python benchmarks/rebalance.py --ranks 2 --factors 2 --reps 1     # a quick look
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _runs import provenance, run_demo, write_results
 
+from pace_strategy import testbed
+from pace_strategy.core.config import PacingConfig
+from pace_strategy.core.rebalance import best_split
 from pace_strategy.data.phases import SharePhase, share_phases
 from pace_strategy.telemetry import read_run_record
 
@@ -81,76 +92,126 @@ class Arm:
     phases: list[SharePhase]  #: the candidate's share phases (empty for the baseline)
 
 
-def run_arm(work: Path, index: int, ranks: int, factor: float, candidate: bool, args: Any) -> Arm:
-    demo = ["--devices", str(ranks), "--steps", str(args.steps), "--straggler", "", "--compute-ms", "0"]
-    demo += ["--sample-ms", str(args.sample_ms), "--batch-size", str(args.batch_size)]
-    if factor > 1.0:
-        demo += ["--slow-device", f"1:{factor:g}"]
+@dataclass(frozen=True)
+class Case:
+    ranks: int  #: world size
+    nodes: int  #: 1: every rank on loopback; 2: one emulated node per half of the ranks (test bed)
+    factor: float  #: rank 1's per-sample slowdown (1: clean)
+
+    @property
+    def label(self) -> str:
+        return f"{self.ranks}" if self.nodes == 1 else f"{self.ranks} on {self.nodes} nodes"
+
+
+def run_arm(
+    work: Path, index: int, case: Case, candidate: bool, args: Any, fabric: testbed.Fabric | None
+) -> Arm:
+    demo = ["--devices", str(case.ranks // case.nodes), "--steps", str(args.steps), "--straggler", ""]
+    demo += ["--compute-ms", "0", "--sample-ms", str(args.sample_ms), "--batch-size", str(args.batch_size)]
+    if case.factor > 1.0:
+        demo += ["--slow-device", f"1:{case.factor:g}"]  # a global rank: node 0's local rank 1
     quantum = ["--pacing", f"rebalance_quantum={args.quantum}"] if args.quantum else []
     demo += ["--strategy", "paced_ddp", *CANDIDATE, *quantum] if candidate else ["--strategy", "ddp"]
-    times, record = run_demo(work, index, demo, skip=args.skip)
-    global_batch = args.batch_size * ranks
+    times, record = run_demo(work, index, demo, skip=args.skip, fabric=fabric)
+    global_batch = args.batch_size * case.ranks
     phases = share_phases(read_run_record(record).steps) if record is not None else []
     return Arm(global_batch * 1e3 / statistics.fmean(times), phases)
 
 
+def cases(args: Any) -> list[Case]:
+    """The single-host cases (every world size x factor), then the two-node ones (root only)."""
+    out = [Case(int(r), 1, float(f)) for r in args.ranks.split(",") if r for f in args.factors.split(",")]
+    two_node = [
+        Case(int(r), 2, float(f))
+        for r in args.node_ranks.split(",")
+        if r
+        for f in args.node_factors.split(",")
+    ]
+    if two_node and os.geteuid() != 0:
+        print("skipping the two-node cases: the test bed (network namespaces) needs root", flush=True)
+        return out
+    return out + two_node
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", default="2,4", help="world sizes, comma-separated")
+    p.add_argument("--ranks", default="2,4", help="world sizes on one host, comma-separated")
     p.add_argument("--factors", default="1,1.5,2", help="per-sample slowdown of rank 1 (1: clean)")
+    p.add_argument("--node-ranks", default="4", help="world sizes on 2 emulated nodes ('' for none)")
+    p.add_argument("--node-factors", default="2", help="rank 1's slowdown in the two-node cases")
     p.add_argument("--reps", type=int, default=2, help="repetitions of each arm pair")
-    p.add_argument("--steps", type=int, default=160, help="optimizer steps per run")
+    p.add_argument("--steps", type=int, default=128, help="optimizer steps per run")
     p.add_argument("--skip", type=int, default=64, help="steps left out at the start (decision + trial)")
     p.add_argument("--sample-ms", type=float, default=1.0, help="emulated compute per sample, ms")
-    p.add_argument("--batch-size", type=int, default=32, help="samples per rank per step at even shares")
+    p.add_argument("--batch-size", type=int, default=128, help="samples per rank per step at even shares")
     p.add_argument("--quantum", type=int, default=0, help="rebalance_quantum (0: the config default)")
     p.add_argument("--data-path-batches", type=int, default=2000, help="batches per data-path epoch")
     p.add_argument("--out", default="benchmarks/results/rebalance.json")
     p.add_argument("--markdown", default="benchmarks/results/rebalance.md")
     args = p.parse_args()
+    args.quantum_used = args.quantum or PacingConfig().rebalance_quantum
     data_path = data_path_cost(args.data_path_batches)
     print(f"data path per batch: {data_path}", flush=True)
     rows, result = [], {**provenance(args), "data_path": data_path, "cases": []}
     with tempfile.TemporaryDirectory() as tmp:
         work, index = Path(tmp), 0
-        for ranks in (int(r) for r in args.ranks.split(",")):
-            for factor in (float(f) for f in args.factors.split(",")):
-                base, cand = [], []
+        for case in cases(args):
+            spec = testbed.FabricSpec(nodes=case.nodes, racks=1, prefix="pace-rb") if case.nodes > 1 else None
+            with testbed.running(spec) if spec is not None else contextlib.nullcontext(None) as fabric:
+                base: list[Arm] = []
+                cand: list[Arm] = []
                 for rep in range(args.reps):
                     for candidate in (False, True) if rep % 2 == 0 else (True, False):
-                        arm = run_arm(work, index, ranks, factor, candidate, args)
+                        arm = run_arm(work, index, case, candidate, args, fabric)
                         (cand if candidate else base).append(arm)
                         index += 1
                         print(
-                            f"W={ranks} x{factor:g} rep {rep} {'rebalance' if candidate else 'ddp':9} "
-                            f"{arm.samples_per_s:7.0f} samples/s",
+                            f"W={case.label} x{case.factor:g} rep {rep} "
+                            f"{'rebalance' if candidate else 'ddp':9} {arm.samples_per_s:7.0f} samples/s",
                             flush=True,
                         )
-                rows.append(case_row(ranks, factor, base, cand))
-                result["cases"].append(rows[-1])
+            rows.append(case_row(case, args, base, cand))
+            result["cases"].append(rows[-1])
     write_results(args.out, args.markdown, table(rows, args, data_path), result)
     return 0
 
 
-def case_row(ranks: int, factor: float, base: list[Arm], cand: list[Arm]) -> dict[str, Any]:
+def case_row(case: Case, args: Any, base: list[Arm], cand: list[Arm]) -> dict[str, Any]:
+    """One case's medians and bounds. The bounds come from each candidate run's even phase (median
+    over runs): the capacity bound (sum of speeds), the bound of the best split in whole quanta, and
+    that split's step with the measured per-step time outside compute added (what is attainable)."""
     ratios = [c.samples_per_s / b.samples_per_s for b, c in zip(base, cand, strict=True)]
     even = [a.phases[0] for a in cand if a.phases]
-    capacity = statistics.median(ph.capacity_per_s for ph in even) if even else float("nan")
-    final = [a.phases[-1].shares for a in cand if a.phases]
+    global_batch = args.batch_size * case.ranks
+
+    def median_over_runs(value: Callable[[SharePhase], float]) -> float:
+        return statistics.median(value(ph) for ph in even) if even else float("nan")
+
+    def best_ms(ph: SharePhase) -> float:
+        return best_split(ph.ms_per_sample, global_batch, args.quantum_used)[1]
+
+    capacity = median_over_runs(lambda ph: ph.capacity_per_s)
+    quantized = median_over_runs(lambda ph: global_batch * 1e3 / best_ms(ph))
+    attainable = median_over_runs(lambda ph: global_batch * 1e3 / (best_ms(ph) + ph.outside_ms))
     base_sps = statistics.median(a.samples_per_s for a in base)
     cand_sps = statistics.median(a.samples_per_s for a in cand)
     return {
-        "ranks": ranks,
-        "factor": factor,
+        "ranks": case.ranks,
+        "nodes": case.nodes,
+        "factor": case.factor,
         "ddp_samples_per_s": base_sps,
         "rebalance_samples_per_s": cand_sps,
         "ratio_median": statistics.median(ratios),
         "ratios": ratios,
         "capacity_per_s": capacity,
+        "best_split_bound_per_s": quantized,
+        "attainable_per_s": attainable,
+        "outside_compute_ms": median_over_runs(lambda ph: ph.outside_ms),
         "ddp_of_capacity": base_sps / capacity,
         "rebalance_of_capacity": cand_sps / capacity,
-        "theory_ddp_of_capacity": ranks / (factor * (ranks - 1 + 1 / factor)),
-        "final_shares": [list(s) for s in final],
+        "rebalance_of_attainable": cand_sps / attainable,
+        "theory_ddp_of_capacity": case.ranks / (case.factor * (case.ranks - 1 + 1 / case.factor)),
+        "final_shares": [list(a.phases[-1].shares) for a in cand if a.phases],
     }
 
 
@@ -163,20 +224,24 @@ def table(rows: list[dict[str, Any]], args: Any, data_path: dict[str, float]) ->
         "",
         f"Rebalancing vs plain DDP ({args.reps} alternating pairs of runs per case, {args.steps} steps, "
         f"first {args.skip} left out; {args.sample_ms:g} ms emulated compute per sample, "
-        f"{args.batch_size} samples per rank at even shares, rebalance_quantum "
-        f"{args.quantum or 'default'})",
+        f"{args.batch_size} samples per rank at even shares, rebalance_quantum {args.quantum_used})",
         "",
         "| ranks | rank 1 per sample | ddp samples/s | rebalance samples/s | ratio (median; each pair) "
-        "| capacity bound | ddp / bound (theory) | rebalance / bound | final split |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| capacity bound | best split's bound | attainable (outside compute) | ddp / bound (theory) "
+        "| rebalance / bound | rebalance / attainable | final split |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         each = ", ".join(f"{x:.3f}" for x in r["ratios"])
+        label = f"{r['ranks']}" if r["nodes"] == 1 else f"{r['ranks']} on {r['nodes']} nodes"
         lines.append(
-            f"| {r['ranks']} | {r['factor']:g}x | {r['ddp_samples_per_s']:.0f} | "
+            f"| {label} | {r['factor']:g}x | {r['ddp_samples_per_s']:.0f} | "
             f"{r['rebalance_samples_per_s']:.0f} | {r['ratio_median']:.3f} ({each}) | "
-            f"{r['capacity_per_s']:.0f} | {r['ddp_of_capacity']:.0%} ({r['theory_ddp_of_capacity']:.0%}) | "
-            f"{r['rebalance_of_capacity']:.0%} | {' / '.join(map(str, r['final_shares']))} |"
+            f"{r['capacity_per_s']:.0f} | {r['best_split_bound_per_s']:.0f} | "
+            f"{r['attainable_per_s']:.0f} ({r['outside_compute_ms']:.1f} ms) | "
+            f"{r['ddp_of_capacity']:.0%} ({r['theory_ddp_of_capacity']:.0%}) | "
+            f"{r['rebalance_of_capacity']:.0%} | {r['rebalance_of_attainable']:.0%} | "
+            f"{' / '.join(map(str, r['final_shares']))} |"
         )
     return "\n".join(lines) + "\n"
 

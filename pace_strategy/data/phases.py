@@ -22,6 +22,9 @@ class SharePhase:
     steps: int  #: steps counted (a phase's first ``skip`` steps are not)
     samples_per_s: float  #: global samples over the summed step wall time
     ms_per_sample: tuple[float, ...]  #: each rank's median compute time per sample, milliseconds
+    #: median step time outside the slowest rank's compute (all-reduce, optimizer, data, loop), ms:
+    #: the per-step cost no split of the samples shortens
+    outside_ms: float = 0.0
 
     @property
     def capacity_per_s(self) -> float:
@@ -51,6 +54,9 @@ def share_phases(steps: Iterable[Mapping[str, Any]], skip: int = 2) -> list[Shar
             statistics.median(float(s["ranks"]["compute_ms"][r]) / n for s in counted)
             for r, n in enumerate(shares)
         ]
+        outside = statistics.median(
+            float(s["step_ms"]) - max(float(c) for c in s["ranks"]["compute_ms"]) for s in counted
+        )
         phases.append(
             SharePhase(
                 shares=shares,
@@ -59,6 +65,7 @@ def share_phases(steps: Iterable[Mapping[str, Any]], skip: int = 2) -> list[Shar
                 steps=len(counted),
                 samples_per_s=sum(shares) * len(counted) / (total_ms / 1e3) if total_ms > 0 else 0.0,
                 ms_per_sample=tuple(per_rank),
+                outside_ms=max(0.0, outside),
             )
         )
     return phases

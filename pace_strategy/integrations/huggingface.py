@@ -21,7 +21,12 @@ from transformers import TrainerCallback
 from typing_extensions import override
 
 from pace_strategy.core.config import PacingConfig
-from pace_strategy.integrations.accelerate.attach import PacingHandle, attach_pacing, is_paceable
+from pace_strategy.integrations.accelerate.attach import (
+    PacingHandle,
+    RebalanceLoop,
+    attach_pacing,
+    is_paceable,
+)
 from pace_strategy.integrations.accelerate.env import run_dir_from_env
 
 if TYPE_CHECKING:
@@ -88,6 +93,7 @@ class PacingCallback(TrainerCallback):
             dataloaders=None if loader is None else [loader],
             run_dir=self._run_dir(args),
             metrics_sink=self._tags.write,
+            rebalance_loop=trainer_loop(self.trainer, args),
         )
 
     @override
@@ -121,6 +127,30 @@ class PacingCallback(TrainerCallback):
             return Path(self.run_dir)
         log_dir = self._tags.log_dir()  # rank 0, where the Trainer writes TensorBoard events
         return Path(log_dir) if log_dir else run_dir_from_env() or Path(args.output_dir or ".")
+
+
+def trainer_loop(trainer: Any, args: Any) -> RebalanceLoop:
+    """How ``trainer``'s training loop draws batches and normalizes its loss, for ``rebalance=True``.
+
+    The Trainer accumulates gradients itself (its Accelerator is told one step), fetching all
+    ``gradient_accumulation_steps`` batches of an optimizer step before it trains the first (to count
+    their label items), one more held by accelerate's DataLoaderShard. It normalizes the loss by the
+    label items of the whole global batch, gathered from every rank, under its own rule: with
+    ``average_tokens_across_devices`` when the model takes loss kwargs (``num_items_in_batch``) or a
+    ``compute_loss_func`` is given. Then every item already weighs the same whatever the shares, and
+    no share factor is applied; otherwise the loss is each rank's mean and the factor is applied. The
+    rule assumes what the Trainer assumes: that such a model uses ``num_items_in_batch``. A model
+    that takes ``**kwargs`` but computes a mean loss of its own should say so with
+    ``model.accepts_loss_kwargs = False``, for the Trainer's sake as much as for rebalancing's.
+    ``args``: the Trainer's TrainingArguments.
+    """
+    accumulate = int(getattr(args, "gradient_accumulation_steps", 1))
+    global_loss = bool(getattr(args, "average_tokens_across_devices", False)) and bool(
+        getattr(trainer, "model_accepts_loss_kwargs", False) or getattr(trainer, "compute_loss_func", None)
+    )
+    return RebalanceLoop(
+        micro_batches=accumulate, prefetch=accumulate + 1, loss_over_global_batch=global_loss
+    )
 
 
 class _TrainerTensorBoard:

@@ -269,7 +269,9 @@ class DataRebalance:
             raise PacingConfigError(
                 f"rebalance=True saw {self._step_batches} batches in one optimizer step, expected "
                 f"{self.micro_batches}: with Fabric, rebalancing supports one batch per optimizer step "
-                "(no gradient accumulation); with Lightning, accumulate_grad_batches sets it."
+                "(no gradient accumulation); with Lightning, accumulate_grad_batches sets it; with "
+                "Accelerate, the Accelerator's gradient_accumulation_steps (or "
+                "attach_pacing(rebalance_loop=RebalanceLoop(micro_batches=...)))."
             )
         self.loss_scale = built.loss_scale
         self._step_samples += built.samples

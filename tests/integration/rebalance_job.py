@@ -1,13 +1,16 @@
-"""Rebalancing exactness jobs (2 CPU ranks): ``python rebalance_job.py OUT`` (Lightning, Fabric) and
-``accelerate launch ... rebalance_job.py OUT accelerate`` (Accelerate's ``attach_pacing``).
+"""Rebalancing exactness jobs (2 CPU ranks): ``python rebalance_job.py OUT`` (Lightning, Fabric),
+``accelerate launch ... rebalance_job.py OUT accelerate`` (Accelerate's ``attach_pacing``) and
+``accelerate launch ... rebalance_job.py OUT trainer`` (``transformers.Trainer`` with PacingCallback).
 
 Trainer fits in the same two processes, each from the same seeded model: (1) ``rebalance=True``
 with a fixed uneven schedule changed twice during the run (the decision is held off, so that only
 the test's entries apply), checkpointed mid-epoch, (2) resumed from that checkpoint, (3)
 ``paced_ddp`` with ``rebalance=False`` and (4) stock ``ddp``; then (5)
 Fabric's ``paced_ddp`` with ``rebalance=True`` and the same schedule; under accelerate, the same
-with ``attach_pacing``. Each rank writes the dataset indices of every batch it trained and rank 0
-the final weights, under OUT.
+with ``attach_pacing``; under the Trainer, a tiny GPT-2 built from a config trained twice with
+gradient accumulation 2, its loss normalized over the global batch by the Trainer ("trainer") and,
+with ``accepts_loss_kwargs = False``, each rank's own mean ("trainer_mean"). Each rank writes the
+dataset indices of every batch it trained and rank 0 the final weights, under OUT.
 """
 
 from __future__ import annotations
@@ -184,11 +187,95 @@ def accelerate_fit(out: Path) -> None:
     accelerator.end_training()
 
 
+#: the Trainer jobs: per-rank micro-batch, accumulation, steps and their fixed schedule (per micro-batch
+#: global batch of 8; shares change at steps 2 and 5 of 8)
+TRAINER_BATCH, TRAINER_ACCUMULATE, TRAINER_STEPS = 4, 2, 8
+TRAINER_ENTRIES = ((2, (6, 2)), (5, (1, 7)))
+TOKENS, VOCAB = 8, 64
+
+
+def token_dataset() -> torch.utils.data.Dataset[dict[str, Any]]:
+    """256 fixed sequences of TOKENS tokens; each item its own labels and its index."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (256, TOKENS), generator=g)
+
+    class Tokens(torch.utils.data.Dataset[dict[str, Any]]):
+        def __len__(self) -> int:
+            return len(ids)
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return {"input_ids": ids[i], "labels": ids[i], "idx": i}
+
+    return Tokens()
+
+
+def gpt2() -> Any:
+    """The tiny GPT-2 (no dropout), seeded: the same weights in the job and in the test's reference."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=TOKENS, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def trainer_fit(out: Path, name: str, mean_loss: bool) -> None:
+    from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from pace_strategy.core.config import PacingConfig
+    from pace_strategy.integrations.huggingface import PacingCallback
+
+    trained: list[list[int]] = []  # every micro-batch's indices, in order
+
+    # "ForCausalLM" in the name: transformers takes a model's loss type from its class name, and the
+    # Trainer then counts the shifted labels (7 per sequence), the items the causal LM loss divides by.
+    class RecordingForCausalLM(GPT2LMHeadModel):
+        accepts_loss_kwargs = not mean_loss  # the Trainer's own switch (see trainer_loop)
+
+        def forward(self, input_ids=None, labels=None, idx=None, **kwargs):  # type: ignore[no-untyped-def]
+            trained.append(idx.tolist())
+            return super().forward(input_ids=input_ids, labels=labels, **kwargs)
+
+    model = RecordingForCausalLM(gpt2().config)
+    model.load_state_dict(gpt2().state_dict())
+    args = TrainingArguments(
+        output_dir=str(out / name), report_to=[], per_device_train_batch_size=TRAINER_BATCH,
+        gradient_accumulation_steps=TRAINER_ACCUMULATE, max_steps=TRAINER_STEPS, optim="sgd",
+        learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0, save_strategy="no",
+        use_cpu=True, disable_tqdm=True, dataloader_drop_last=True, seed=3,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=token_dataset())
+    pacing = PacingCallback(trainer, PacingConfig(**PACING, rebalance_quantum=1), run_dir=out / name)
+    trainer.add_callback(pacing)
+
+    class FixedTrainerShares(TrainerCallback):  # after PacingCallback: its on_train_begin attached
+        def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+            assert pacing.handle is not None and pacing.handle.rebalance is not None
+            schedule = pacing.handle.rebalance.schedule
+            assert schedule is not None, "rebalancing is not attached"
+            for from_step, shares in TRAINER_ENTRIES:
+                schedule.add(from_step, shares, "test")
+
+    trainer.add_callback(FixedTrainerShares())
+    trainer.train()
+    rank = trainer.args.process_index
+    (out / f"{name}_rank{rank}.json").write_text(json.dumps(trained))
+    if rank == 0:
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        torch.save(weights, out / f"{name}.pt")
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
     if sys.argv[2:] == ["accelerate"]:
         accelerate_fit(out)
+        leave_without_finalization(0)
+    if sys.argv[2:] == ["trainer"]:
+        trainer_fit(out, "trainer", mean_loss=False)
+        trainer_fit(out, "trainer_mean", mean_loss=True)
         leave_without_finalization(0)
     for name in ("rebalanced", "resumed", "paced", "ddp"):
         fit(name, out)

@@ -1,8 +1,10 @@
-"""Rebalancing's exact math with real Lightning DDP, Fabric and Accelerate (2 CPU processes, gloo): one run of
-``rebalance_job.py`` (four fits in the same processes) and its Accelerate job, read by several tests."""
+"""Rebalancing's exact math with real Lightning DDP, Fabric, Accelerate and transformers.Trainer (2 CPU
+processes, gloo): one run of ``rebalance_job.py`` (four fits in the same processes), its Accelerate job
+and its Trainer job, read by several tests."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -27,8 +29,8 @@ RTOL, ATOL = 1e-5, 1e-6
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
-    """The three launches at once (Lightning + Fabric; Accelerate; the slow-device demo), into one
-    directory (the demo's under runs/)."""
+    """The four launches at once (Lightning + Fabric; Accelerate; Trainer; the slow-device demo), into
+    one directory (the demo's under runs/)."""
     out = tmp_path_factory.mktemp("rebalance")
     config = out / "accelerate.yaml"
     config.write_text(ACCELERATE_CPU_CONFIG.format(kind="MULTI_GPU"))
@@ -39,6 +41,7 @@ def run(tmp_path_factory) -> Path:
         "demo": demo_command(out, "--scenario", "slow-device", "--steps", "64", "--quiet"),
         "lightning": [sys.executable, script, str(out)],
         "accelerate": [*accelerate, "--main_process_port", str(free_port()), script, str(out), "accelerate"],
+        "trainer": [*accelerate, "--main_process_port", str(free_port()), script, str(out), "trainer"],
     }
     started = {
         name: subprocess.Popen(
@@ -116,6 +119,63 @@ def _single_process(ranks: list[list[dict]], scaled: bool) -> dict[str, torch.Te
         loss.backward()
         optimizer.step()
     return reference.state_dict()
+
+
+def _trainer_steps(run: Path, name: str) -> list[list[list[int]]]:
+    """Per optimizer step, each rank's indices over the step's micro-batches."""
+    per_rank = [json.loads((run / f"{name}_rank{r}.json").read_text()) for r in (0, 1)]
+    k = job.TRAINER_ACCUMULATE
+    steps = range(len(per_rank[0]) // k)
+    return [[list(itertools.chain(*batches[t * k : (t + 1) * k])) for batches in per_rank] for t in steps]
+
+
+@pytest.mark.parametrize("name", ["trainer", "trainer_mean"])
+def test_trainer_ranks_train_their_shares_of_each_accumulated_step(run, name):
+    steps = _trainer_steps(run, name)
+    assert len(steps) == job.TRAINER_STEPS
+    seen: list[int] = []
+    for t, (a, b) in enumerate(steps):
+        shares = (job.TRAINER_BATCH,) * 2
+        for from_step, entry in job.TRAINER_ENTRIES:
+            shares = entry if t >= from_step else shares
+        # every micro-batch of step t has the step's shares
+        assert (len(a), len(b)) == tuple(job.TRAINER_ACCUMULATE * n for n in shares), f"step {t}"
+        seen += a + b
+    assert len(seen) == len(set(seen)), "a sample was trained twice in one epoch"
+
+
+@pytest.mark.parametrize("name", ["trainer", "trainer_mean"])
+def test_rebalanced_trainer_matches_one_process_on_the_same_global_batches(run, name):
+    """Both of the Trainer's loss normalizations give the global mean: over the global batch's tokens
+    (the Trainer's own, no share factor) and each rank's mean times the share factor."""
+    got = torch.load(run / f"{name}.pt")
+    steps = _trainer_steps(run, name)
+    want = _trainer_single_process(steps, scaled=True)
+    for key in want:
+        torch.testing.assert_close(
+            got[key], want[key], rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{k}: {m}"
+        )
+    unscaled = _trainer_single_process(steps, scaled=False)
+    assert max((got[k] - unscaled[k]).abs().max().item() for k in want) > 100 * ATOL
+
+
+def _trainer_single_process(steps: list[list[list[int]]], scaled: bool) -> dict[str, torch.Tensor]:
+    """The tiny GPT-2 trained in one process by plain SGD, each step on its global batch: the mean
+    loss over all its tokens, or (``scaled=False``) the mean of the ranks' own means."""
+    data = job.token_dataset()
+    ids = torch.stack([data[i]["input_ids"] for i in range(len(data))])  # type: ignore[arg-type]
+    model = job.gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=job.LR)
+    for parts in steps:
+        optimizer.zero_grad()
+        if scaled:
+            batch = ids[torch.tensor(list(itertools.chain(*parts)))]
+            loss = model(input_ids=batch, labels=batch).loss
+        else:
+            loss = sum(model(input_ids=ids[p], labels=ids[p]).loss for p in map(torch.tensor, parts)) / 2
+        loss.backward()
+        optimizer.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
 
 
 def test_resume_mid_epoch_continues_with_the_same_batches_shares_and_weights(run):

@@ -19,6 +19,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -40,12 +41,43 @@ from pace_strategy.integrations.data import loader_workers, time_dataloader
 from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance, share_scaled_allreduce
 from pace_strategy.session import MetricsSink, PacingSession
 
-__all__ = ["PacingHandle", "attach_pacing", "is_paceable"]
+__all__ = ["PacingHandle", "RebalanceLoop", "attach_pacing", "is_paceable"]
 
 log = logging.getLogger(__name__)
 
 #: id(model) -> the handle attached to it (a handle holds its model: the id is not reused meanwhile).
 _ATTACHED: weakref.WeakValueDictionary[int, PacingHandle] = weakref.WeakValueDictionary()
+
+
+@dataclass(frozen=True)
+class RebalanceLoop:
+    """How the training loop around an attached model draws its batches and normalizes its loss: what
+    ``rebalance=True`` needs to know beyond the prepared DataLoader. The defaults describe a script's
+    own loop (``accelerator.accumulate`` or none); ``transformers.Trainer`` differs in all three
+    (its :class:`~pace_strategy.integrations.huggingface.PacingCallback` says so).
+
+    Args:
+        micro_batches: batches per optimizer step (gradient accumulation); ``None``: the
+            accelerator's ``gradient_accumulation_steps``.
+        prefetch: batches the loop holds ahead of the one it trains (accelerate's DataLoaderShard
+            fetches one ahead to tell the last batch).
+        loss_over_global_batch: each rank's loss is already normalized by the item count of the whole
+            global batch (the Trainer's ``average_tokens_across_devices``): the ranks' gradients then
+            already weigh every item alike, whatever the shares, and the share factor ``n_r * W / N``
+            is not applied. ``False``: each rank's loss is the mean over its own samples, and the
+            factor goes on the gradient.
+    """
+
+    micro_batches: int | None = None
+    prefetch: int = 1
+    loss_over_global_batch: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batches", "prefetch"):
+            value = getattr(self, name)
+            least = 1 if name == "micro_batches" else 0
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise PacingConfigError(f"RebalanceLoop.{name}={value!r}: expected an integer >= {least}.")
 
 
 class PacingHandle:
@@ -173,6 +205,7 @@ def attach_pacing(
     dataloaders: Iterable[Any] | None = None,
     run_dir: str | os.PathLike[str] | None = None,
     metrics_sink: MetricsSink | None = None,
+    rebalance_loop: RebalanceLoop | None = None,
 ) -> PacingHandle:
     """Monitor and pace ``model``, the DDP or FSDP2 model ``accelerator.prepare(...)`` returned.
 
@@ -194,6 +227,8 @@ def attach_pacing(
             else ``./pace_runs/<date-time>``.
         metrics_sink: rank 0: receives every step's ``pace/`` tags and its step, on the telemetry
             thread (default: ``accelerator.log``, i.e. the accelerator's trackers).
+        rebalance_loop: with ``rebalance=True``, how the training loop draws batches and normalizes
+            its loss (:class:`RebalanceLoop`; default: a script's own loop).
     """
     attached = _ATTACHED.get(id(model))
     if attached is not None:
@@ -240,9 +275,12 @@ def attach_pacing(
     _ATTACHED[id(model)] = handle
     _close_open_records_at_exit()
     try:
+        loop = rebalance_loop or RebalanceLoop()
         if config.rebalance:
-            handle.rebalance = _rebalance_data(handle, session, loaders, fsdp)
-        _register(handle, model, session, optimizer, loaders, fsdp)
+            micro_batches = loop.micro_batches or int(getattr(accelerator, "gradient_accumulation_steps", 1))
+            handle.rebalance = _rebalance_data(handle, session, loaders, fsdp, micro_batches, loop.prefetch)
+        scale = not loop.loss_over_global_batch
+        _register(handle, model, session, optimizer, loaders, fsdp, scale_gradient=scale)
     except BaseException:
         handle.detach()
         raise
@@ -279,7 +317,13 @@ def _take_over(automatic: PacingHandle) -> None:
 
 
 def _register(
-    handle: PacingHandle, model: Any, session: PacingSession, optimizer: Any, loaders: list[Any], fsdp: bool
+    handle: PacingHandle,
+    model: Any,
+    session: PacingSession,
+    optimizer: Any,
+    loaders: list[Any],
+    fsdp: bool,
+    scale_gradient: bool,
 ) -> None:
     undo = handle._undo
     if fsdp:
@@ -287,11 +331,12 @@ def _register(
 
         register_paced_collectives(model, session.pacer)
         undo.append(functools.partial(unregister_paced_collectives, model))
-    elif handle.rebalance is not None:  # the share factor goes on the gradient (see the hook)
+    elif handle.rebalance is not None and scale_gradient:  # the share factor goes on the gradient
         undo.append(attach_paced_ddp(model, session.pacer, share_scaled_allreduce, handle.rebalance).remove)
-        undo.append(handle.rebalance.stop)
     else:
         undo.append(attach_paced_ddp(model, session.pacer).remove)
+    if handle.rebalance is not None:
+        undo.append(handle.rebalance.stop)
     undo.append(model.register_forward_pre_hook(handle._begin).remove)
     # accelerate's optimizer wrapper steps the wrapped optimizer only where gradients synchronize.
     inner = getattr(optimizer, "optimizer", optimizer)
@@ -304,12 +349,18 @@ def _register(
 
 
 def _rebalance_data(
-    handle: PacingHandle, session: PacingSession, loaders: list[Any], fsdp: bool
+    handle: PacingHandle,
+    session: PacingSession,
+    loaders: list[Any],
+    fsdp: bool,
+    micro_batches: int,
+    prefetch: int,
 ) -> DataRebalance:
     """``rebalance=True``: the one training loader rebuilt in place around the rebalancing batch
     sampler; the loss scale goes on the gradient, in a DDP comm hook (``accelerator.backward`` has no
-    hook for the loss). DDP's comm hook stays registered after :meth:`PacingHandle.detach` (DDP cannot
-    remove one), at factor 1.0 once no batch comes from the rebalanced loader."""
+    hook for the loss), unless the loop's loss is normalized over the global batch already
+    (:class:`RebalanceLoop`). DDP's comm hook stays registered after :meth:`PacingHandle.detach` (DDP
+    cannot remove one), at factor 1.0 once no batch comes from the rebalanced loader."""
     if fsdp:
         raise PacingConfigError(
             "rebalance=True is supported with DDP (distributed_type MULTI_GPU/MULTI_CPU), not FSDP yet; "
@@ -325,7 +376,8 @@ def _rebalance_data(
         session.pacer.rank,
         session.pacer.world_size,
         step_source=lambda: handle.steps,
-        framework_prefetch=1,  # DataLoaderShard fetches one batch ahead to tell the last one
+        framework_prefetch=prefetch,
+        micro_batches=micro_batches,
     )
     rebalance.replace_prepared(loaders[0])
     session.register_state(STATE_NAME, rebalance)
