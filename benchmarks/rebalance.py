@@ -53,7 +53,10 @@ from pace_strategy.core.rebalance import best_split
 from pace_strategy.data.phases import SharePhase, share_phases
 from pace_strategy.telemetry import read_run_record
 
-CANDIDATE = ["--pacing", "mode=monitor", "--pacing", "rebalance=true", "--pacing", "exchange_every_steps=8"]
+MONITOR = ["--pacing", "mode=monitor", "--pacing", "exchange_every_steps=8"]  #: the control arm (--control)
+CANDIDATE = [*MONITOR, "--pacing", "rebalance=true"]
+#: the arms in the order of even repetitions (odd ones reverse it); "monitor" only with --control
+ARMS = ("ddp", "rebalance", "monitor")
 
 
 def data_path_cost(batches: int, rounds: int = 6) -> dict[str, float]:
@@ -103,15 +106,17 @@ class Case:
         return f"{self.ranks}" if self.nodes == 1 else f"{self.ranks} on {self.nodes} nodes"
 
 
-def run_arm(
-    work: Path, index: int, case: Case, candidate: bool, args: Any, fabric: testbed.Fabric | None
-) -> Arm:
+def run_arm(work: Path, index: int, case: Case, kind: str, args: Any, fabric: testbed.Fabric | None) -> Arm:
+    """One run of arm ``kind`` (one of ARMS)."""
     demo = ["--devices", str(case.ranks // case.nodes), "--steps", str(args.steps), "--straggler", ""]
     demo += ["--compute-ms", "0", "--sample-ms", str(args.sample_ms), "--batch-size", str(args.batch_size)]
     if case.factor > 1.0:
         demo += ["--slow-device", f"1:{case.factor:g}"]  # a global rank: node 0's local rank 1
     quantum = ["--pacing", f"rebalance_quantum={args.quantum}"] if args.quantum else []
-    demo += ["--strategy", "paced_ddp", *CANDIDATE, *quantum] if candidate else ["--strategy", "ddp"]
+    if kind == "ddp":
+        demo += ["--strategy", "ddp"]
+    else:
+        demo += ["--strategy", "paced_ddp", *(CANDIDATE if kind == "rebalance" else MONITOR), *quantum]
     times, record = run_demo(work, index, demo, skip=args.skip, fabric=fabric)
     global_batch = args.batch_size * case.ranks
     phases = share_phases(read_run_record(record).steps) if record is not None else []
@@ -145,6 +150,9 @@ def main() -> int:
     p.add_argument("--sample-ms", type=float, default=1.0, help="emulated compute per sample, ms")
     p.add_argument("--batch-size", type=int, default=128, help="samples per rank per step at even shares")
     p.add_argument("--quantum", type=int, default=0, help="rebalance_quantum (0: the config default)")
+    p.add_argument(
+        "--control", action="store_true", help="clean cases: a third arm, monitoring alone (no rebalancing)"
+    )
     p.add_argument("--data-path-batches", type=int, default=2000, help="batches per data-path epoch")
     p.add_argument("--out", default="benchmarks/results/rebalance.json")
     p.add_argument("--markdown", default="benchmarks/results/rebalance.md")
@@ -158,28 +166,30 @@ def main() -> int:
         for case in cases(args):
             spec = testbed.FabricSpec(nodes=case.nodes, racks=1, prefix="pace-rb") if case.nodes > 1 else None
             with testbed.running(spec) if spec is not None else contextlib.nullcontext(None) as fabric:
-                base: list[Arm] = []
-                cand: list[Arm] = []
+                arms: dict[str, list[Arm]] = {kind: [] for kind in ARMS}
+                kinds = ARMS if args.control and case.factor == 1.0 else ARMS[:2]
                 for rep in range(args.reps):
-                    for candidate in (False, True) if rep % 2 == 0 else (True, False):
-                        arm = run_arm(work, index, case, candidate, args, fabric)
-                        (cand if candidate else base).append(arm)
+                    for kind in kinds if rep % 2 == 0 else kinds[::-1]:
+                        arm = run_arm(work, index, case, kind, args, fabric)
+                        arms[kind].append(arm)
                         index += 1
                         print(
                             f"W={case.label} x{case.factor:g} rep {rep} "
-                            f"{'rebalance' if candidate else 'ddp':9} {arm.samples_per_s:7.0f} samples/s",
+                            f"{kind:9} {arm.samples_per_s:7.0f} samples/s",
                             flush=True,
                         )
-            rows.append(case_row(case, args, base, cand))
+            rows.append(case_row(case, args, arms["ddp"], arms["rebalance"], arms["monitor"]))
             result["cases"].append(rows[-1])
     write_results(args.out, args.markdown, table(rows, args, data_path), result)
     return 0
 
 
-def case_row(case: Case, args: Any, base: list[Arm], cand: list[Arm]) -> dict[str, Any]:
+def case_row(case: Case, args: Any, base: list[Arm], cand: list[Arm], control: list[Arm]) -> dict[str, Any]:
     """One case's medians and bounds. The bounds come from each candidate run's even phase (median
     over runs): the capacity bound (sum of speeds), the bound of the best split in whole quanta, and
-    that split's step with the measured per-step time outside compute added (what is attainable)."""
+    that split's step with the measured per-step time outside compute added (what is attainable).
+    With a control arm (monitoring alone), the candidate's and plain DDP's ratios over it, pair by
+    pair: what rebalancing adds and what monitoring costs."""
     ratios = [c.samples_per_s / b.samples_per_s for b, c in zip(base, cand, strict=True)]
     even = [a.phases[0] for a in cand if a.phases]
     global_batch = args.batch_size * case.ranks
@@ -189,6 +199,9 @@ def case_row(case: Case, args: Any, base: list[Arm], cand: list[Arm]) -> dict[st
 
     def best_ms(ph: SharePhase) -> float:
         return best_split(ph.ms_per_sample, global_batch, args.quantum_used)[1]
+
+    def paired(arms: list[Arm]) -> list[tuple[Arm, Arm]]:
+        return list(zip(arms, control, strict=True)) if control else []
 
     capacity = median_over_runs(lambda ph: ph.capacity_per_s)
     quantized = median_over_runs(lambda ph: global_batch * 1e3 / best_ms(ph))
@@ -212,6 +225,8 @@ def case_row(case: Case, args: Any, base: list[Arm], cand: list[Arm]) -> dict[st
         "rebalance_of_attainable": cand_sps / attainable,
         "theory_ddp_of_capacity": case.ranks / (case.factor * (case.ranks - 1 + 1 / case.factor)),
         "final_shares": [list(a.phases[-1].shares) for a in cand if a.phases],
+        "rebalance_over_monitor": [c.samples_per_s / m.samples_per_s for c, m in paired(cand)],
+        "monitor_over_ddp": [m.samples_per_s / b.samples_per_s for b, m in paired(base)],
     }
 
 
@@ -243,6 +258,21 @@ def table(rows: list[dict[str, Any]], args: Any, data_path: dict[str, float]) ->
             f"{r['rebalance_of_capacity']:.0%} | {r['rebalance_of_attainable']:.0%} | "
             f"{' / '.join(map(str, r['final_shares']))} |"
         )
+    controlled = [r for r in rows if r["rebalance_over_monitor"]]
+    if controlled:
+        lines += [
+            "",
+            "Clean cases against the control arm (`paced_ddp` `mode=monitor`, rebalancing off):",
+            "",
+            "| ranks | rebalance / monitor-only (median; each) | monitor-only / ddp (median; each) |",
+            "|---|---|---|",
+        ]
+        for r in controlled:
+            cells = [
+                f"{statistics.median(v):.3f} ({', '.join(f'{x:.3f}' for x in v)})"
+                for v in (r["rebalance_over_monitor"], r["monitor_over_ddp"])
+            ]
+            lines.append(f"| {r['ranks']} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
 
 

@@ -5,19 +5,22 @@
 Trainer fits in the same two processes, each from the same seeded model: (1) ``rebalance=True``
 with a fixed uneven schedule changed twice during the run (the decision is held off, so that only
 the test's entries apply), checkpointed mid-epoch, (2) resumed from that checkpoint, (3)
-``paced_ddp`` with ``rebalance=False`` and (4) stock ``ddp``; then (5)
-Fabric's ``paced_ddp`` with ``rebalance=True`` and the same schedule; under accelerate, the same
-with ``attach_pacing``; under the Trainer, a tiny GPT-2 built from a config trained twice with
-gradient accumulation 2, its loss normalized over the global batch by the Trainer ("trainer") and,
-with ``accepts_loss_kwargs = False``, each rank's own mean ("trainer_mean"). Each rank writes the
-dataset indices of every batch it trained and rank 0 the final weights, under OUT.
+``paced_ddp`` with ``rebalance=False`` and (4) stock ``ddp``; then (5) Fabric's ``paced_ddp`` with
+``rebalance=True`` and the same schedule; under accelerate, the same with ``attach_pacing``, and
+once more in ``accelerator.accumulate`` (2 micro-batches per step, its own schedule); under the
+Trainer, a tiny GPT-2 built from a config trained twice with gradient accumulation 2, its loss
+normalized over the global batch by the Trainer ("trainer") and, with ``accepts_loss_kwargs =
+False``, each rank's own mean ("trainer_mean"). Each rank writes the dataset indices of every batch
+it trained and rank 0 the final weights, under OUT.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -120,17 +123,22 @@ def fit(name: str, out: Path) -> None:
 
 
 def train_loop(
-    loader: Iterable[Any], model: nn.Module, optimizer: torch.optim.Optimizer, backward: Callable[[Any], Any]
+    loader: Iterable[Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    backward: Callable[[Any], Any],
+    context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> list[dict[str, Any]]:
-    """EPOCHS of plain SGD steps through ``backward`` (Fabric's or Accelerate's); the sample indices
-    each step trained, in order."""
+    """EPOCHS of plain SGD steps through ``backward`` (Fabric's or Accelerate's), each batch inside
+    ``context`` (Accelerate's ``accumulate``); the sample indices each batch trained, in order."""
     trained, step = [], 0
     for _ in range(EPOCHS):
         for x, y, idx in loader:
-            trained.append({"step": step, "indices": idx.tolist()})
-            backward(nn.functional.cross_entropy(model(x), y))
-            optimizer.step()
-            optimizer.zero_grad()
+            with context():
+                trained.append({"step": step, "indices": idx.tolist()})
+                backward(nn.functional.cross_entropy(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
             step += 1
     return trained
 
@@ -158,16 +166,25 @@ def fabric_fit(out: Path) -> None:
         torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, out / "fabric.pt")
 
 
-def accelerate_fit(out: Path) -> None:
+#: the accumulating Accelerate job: 2 micro-batches per optimizer step, whole steps only (drop_last:
+#: 6 micro-batches of 16, 3 steps, per epoch); shares change at steps 1 and 4 of 6
+ACCUMULATE = 2
+ACCUMULATE_ENTRIES = ((1, (12, 4)), (4, (3, 13)))
+
+
+def accelerate_fit(out: Path, accumulate: bool = False) -> None:
+    """``attach_pacing`` on a plain loop, or (``accumulate``) one in ``accelerator.accumulate`` with
+    ACCUMULATE micro-batches per step: rebalancing takes them from the Accelerator."""
     from accelerate import Accelerator
 
     from pace_strategy.core.config import PacingConfig
     from pace_strategy.integrations.accelerate import attach_pacing
 
-    accelerator = Accelerator()
+    name, entries = ("accelerate_accumulate", ACCUMULATE_ENTRIES) if accumulate else ("accelerate", ENTRIES)
+    accelerator = Accelerator(gradient_accumulation_steps=ACCUMULATE if accumulate else 1)
     model = net()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    loader = DataLoader(dataset(), batch_size=BATCH, shuffle=True)
+    loader = DataLoader(dataset(), batch_size=BATCH, shuffle=True, drop_last=accumulate)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     handle = attach_pacing(
         accelerator, model, PacingConfig(**PACING), optimizer=optimizer, dataloaders=[loader], run_dir=out
@@ -175,16 +192,17 @@ def accelerate_fit(out: Path) -> None:
     assert handle.rebalance is not None and handle.rebalance.schedule is not None, (
         "rebalancing is not attached"
     )
-    for from_step, shares in ENTRIES:
+    for from_step, shares in entries:
         handle.rebalance.schedule.add(from_step, shares, "test")
-    trained = train_loop(loader, model, optimizer, accelerator.backward)
+    trained = train_loop(
+        loader, model, optimizer, accelerator.backward, lambda: accelerator.accumulate(model)
+    )
     handle.finish()
     rank = accelerator.process_index
-    (out / f"accelerate_rank{rank}.json").write_text(json.dumps(trained))
+    (out / f"{name}_rank{rank}.json").write_text(json.dumps(trained))
     if rank == 0:
         weights = accelerator.unwrap_model(model).state_dict()
-        torch.save({k: v.detach().clone() for k, v in weights.items()}, out / "accelerate.pt")
-    accelerator.end_training()
+        torch.save({k: v.detach().clone() for k, v in weights.items()}, out / f"{name}.pt")
 
 
 #: the Trainer jobs: per-rank micro-batch, accumulation, steps and their fixed schedule (per micro-batch
@@ -272,6 +290,7 @@ def main() -> None:
     torch.set_num_threads(1)
     if sys.argv[2:] == ["accelerate"]:
         accelerate_fit(out)
+        accelerate_fit(out, accumulate=True)
         leave_without_finalization(0)
     if sys.argv[2:] == ["trainer"]:
         trainer_fit(out, "trainer", mean_loss=False)

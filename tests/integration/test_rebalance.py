@@ -17,8 +17,15 @@ from torch import nn
 
 from pace_strategy.data.phases import share_phases
 from pace_strategy.telemetry import read_run_record
+from pace_strategy.telemetry.schema import batch_share_tag
 from tests.integration import rebalance_job as job
-from tests.integration.helpers import ACCELERATE_CPU_CONFIG, demo_command, free_port, only_version_dir
+from tests.integration.helpers import (
+    ACCELERATE_CPU_CONFIG,
+    demo_command,
+    free_port,
+    only_version_dir,
+    read_scalars,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -121,12 +128,39 @@ def _single_process(ranks: list[list[dict]], scaled: bool) -> dict[str, torch.Te
     return reference.state_dict()
 
 
-def _trainer_steps(run: Path, name: str) -> list[list[list[int]]]:
-    """Per optimizer step, each rank's indices over the step's micro-batches."""
+def _accumulated_steps(run: Path, name: str, k: int) -> list[list[list[int]]]:
+    """Per optimizer step of ``k`` micro-batches, each rank's indices over the step's micro-batches
+    (the Trainer jobs record each micro-batch's indices, the Accelerate job each batch's record)."""
     per_rank = [json.loads((run / f"{name}_rank{r}.json").read_text()) for r in (0, 1)]
-    k = job.TRAINER_ACCUMULATE
+    per_rank = [[b["indices"] if isinstance(b, dict) else b for b in batches] for batches in per_rank]
     steps = range(len(per_rank[0]) // k)
     return [[list(itertools.chain(*batches[t * k : (t + 1) * k])) for batches in per_rank] for t in steps]
+
+
+def _trainer_steps(run: Path, name: str) -> list[list[list[int]]]:
+    return _accumulated_steps(run, name, job.TRAINER_ACCUMULATE)
+
+
+def test_accelerate_accumulation_takes_its_micro_batches_from_the_accelerator(run):
+    """``accelerator.accumulate`` with 2 micro-batches per step and no RebalanceLoop: every micro-batch
+    of a step has the step's shares, and the weights are one process's on each step's 32 samples."""
+    steps = _accumulated_steps(run, "accelerate_accumulate", job.ACCUMULATE)
+    per_epoch = job.SAMPLES // (2 * job.BATCH * job.ACCUMULATE)  # drop_last: whole steps only
+    assert len(steps) == job.EPOCHS * per_epoch
+    for t, (a, b) in enumerate(steps):
+        shares = (job.BATCH,) * 2
+        for from_step, entry in job.ACCUMULATE_ENTRIES:
+            shares = entry if t >= from_step else shares
+        assert (len(a), len(b)) == tuple(job.ACCUMULATE * n for n in shares), f"step {t}"
+    for epoch in range(job.EPOCHS):
+        seen = list(itertools.chain(*itertools.chain(*steps[epoch * per_epoch : (epoch + 1) * per_epoch])))
+        assert len(seen) == len(set(seen)) == per_epoch * 2 * job.BATCH * job.ACCUMULATE
+    got = torch.load(run / "accelerate_accumulate.pt")
+    merged = [[{"indices": part} for part in parts] for parts in zip(*steps, strict=True)]
+    for key, want in _single_process(merged, scaled=True).items():
+        torch.testing.assert_close(got[key], want, rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{k}: {m}")
+    unscaled = _single_process(merged, scaled=False)
+    assert max((got[k] - unscaled[k]).abs().max().item() for k in got) > 100 * ATOL
 
 
 @pytest.mark.parametrize("name", ["trainer", "trainer_mean"])
@@ -207,3 +241,9 @@ def test_slow_device_demo_names_the_straggler_and_moves_samples_off_it(run):
     moved = [p for p in phases if p.shares[1] < p.shares[0]]
     assert moved, [p.shares for p in phases]
     assert all(sum(p.shares) == 64 and min(p.shares) >= 8 for p in phases)
+    # the split reaches TensorBoard through Lightning's own logger, step by step as trained
+    logged = read_scalars(only_version_dir(run, "slow-device"))[batch_share_tag(1)]
+    trained = {s["step"]: s["ranks"]["samples"][1] for s in record.steps}
+    common = logged.keys() & trained.keys()
+    assert len(common) >= 32 and all(logged[step] == trained[step] for step in common)
+    assert min(logged.values()) < 32
