@@ -23,11 +23,17 @@ apart first (``--data-path-batches``): in one process, epochs through a DataLoad
 ``DistributedSampler`` Lightning injects and through one with ``ShareBatchSampler`` (plus the
 per-batch ``pop_built`` the integrations call), in alternating order: microseconds per batch.
 
+``--control`` adds a third arm to the clean cases: ``paced_ddp`` with ``mode=monitor`` and
+rebalancing off, the same monitoring without the controller and its sampler. Its ratios
+(rebalance / monitor, monitor / ddp) say which part of a clean-case cost is rebalancing and which
+is monitoring.
+
 The two-node cases (``--node-ranks``, root only) run each arm on 2 emulated nodes of the test bed
 (network namespaces on one bridge), rank 1 being node 0's second local rank.
 
     python benchmarks/rebalance.py --reps 3     # 2, 4 ranks x 1, 1.5, 2; 4 on 2 nodes x 2 (~25 min)
     python benchmarks/rebalance.py --ranks 2 --factors 2 --reps 1     # a quick look
+    python benchmarks/rebalance.py --ranks 2,4 --factors 1 --node-ranks "" --reps 8 --control
 """
 
 from __future__ import annotations

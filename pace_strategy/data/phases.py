@@ -34,14 +34,17 @@ class SharePhase:
 
 def share_phases(steps: Iterable[Mapping[str, Any]], skip: int = 2) -> list[SharePhase]:
     """The share phases of a run record's ``step`` lines (``RunRecord.steps``); steps without
-    per-rank ``samples`` (a run that does not report them) form no phase. ``skip``: steps left out
-    at the start of each phase (its first steps pay for the new batch shapes)."""
+    per-rank ``samples``, or where a rank reported none (``0``: a run without rebalancing does not
+    count them), form no phase. ``skip``: steps left out at the start of each phase (its first
+    steps pay for the new batch shapes)."""
     runs: list[tuple[tuple[int, ...], list[Mapping[str, Any]]]] = []
     for step in steps:
         samples = step.get("ranks", {}).get("samples")
         if not samples or not step.get("valid") or step.get("warmup"):
             continue
         shares = tuple(int(s) for s in samples)
+        if min(shares) <= 0:
+            continue
         if runs and runs[-1][0] == shares:
             runs[-1][1].append(step)
         else:
