@@ -12,6 +12,7 @@ rebalancing on, and reports the shares and samples/s before and after.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -28,7 +29,7 @@ from pace_strategy.apps.recipes import (
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.settings import build, load_mapping
-from pace_strategy.testing import Straggler, parse_slow_devices, parse_stragglers
+from pace_strategy.testing import PHASES, Straggler, parse_slow_devices, parse_stragglers
 
 __all__ = ["SCENARIOS", "build_parser", "demo_recipe", "main", "parse_args"]
 
@@ -70,6 +71,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LOCAL:MS[:PROB]",
         help="slow this local rank index on every node (locality)",
     )
+    p.add_argument(
+        "--straggler-phase",
+        choices=PHASES,
+        default="step",
+        help="where --straggler's time goes: step (before the forward; default), backward (inside "
+        "backward, at --inject-after), forward_backward (half in each)",
+    )
+    p.add_argument(
+        "--inject-after",
+        type=int,
+        default=1,
+        help="hidden block after which a backward straggler is slowed (1: the end of backward; default 1)",
+    )
+    p.add_argument("--spin", action="store_true", help="stragglers do real CPU work instead of sleeping")
     p.add_argument("--data-delay", default="", metavar="RANK:MS[:PROB]", help="slow data loader on one rank")
     p.add_argument(
         "--scenario",
@@ -143,6 +158,7 @@ def demo_recipe(args: argparse.Namespace) -> TrainRecipe:
             "sample_ms": args.sample_ms,
             "gc_heap_objects": args.gc_heap_objects,
             "gc_garbage_objects": args.gc_garbage_objects,
+            "inject_after": args.inject_after,
         },
         "data": {"batch_size": args.batch_size},
         "output": {"root": args.root, "name": args.name, "save_weights": args.save_weights},
@@ -155,14 +171,19 @@ def demo_recipe(args: argparse.Namespace) -> TrainRecipe:
 
 
 def _stragglers(args: argparse.Namespace) -> list[Straggler]:
-    """``--straggler`` plus ``--straggler-local`` (that local index on every node)."""
+    """``--straggler`` plus ``--straggler-local`` (that local index on every node), spent where
+    ``--straggler-phase`` says, as sleeps or (``--spin``) CPU work."""
     stragglers = parse_stragglers(args.straggler or "")
     # local index -> global ranks, as the launcher numbers them: node_rank * devices + local_rank
     for s in parse_stragglers(args.straggler_local):
         for node in range(args.num_nodes):
             rank = node * args.devices + s.rank
             stragglers.append(Straggler(rank=rank, delay_ms=s.delay_ms, probability=s.probability))
-    return stragglers + parse_slow_devices(args.slow_device, args.sample_ms)
+    placed = [dataclasses.replace(s, phase=args.straggler_phase, spin=args.spin) for s in stragglers]
+    slow = [
+        dataclasses.replace(s, spin=args.spin) for s in parse_slow_devices(args.slow_device, args.sample_ms)
+    ]
+    return placed + slow
 
 
 def _callbacks(args: argparse.Namespace) -> list[Any]:

@@ -43,12 +43,17 @@ QUIET_TRAINER: dict[str, Any] = {
 class ExampleModule(L.LightningModule):
     """The MLP with SGD; each training step first sleeps ``compute_ms`` plus ``sample_ms`` per sample of
     its batch (stands in for accelerator time, so that two CPUs are not the bottleneck of a multi-rank
-    run)."""
+    run; 0 for real compute only). The step runs the layers one by one, as many LightningModules do,
+    with an :class:`~pace_strategy.testing.slow.InjectionPoint` after hidden block
+    ``model.inject_after`` (no parameters: the weights and the state dict are the MLP's)."""
 
     def __init__(self, model: ModelRecipe) -> None:
         super().__init__()
+        from pace_strategy.testing.slow import InjectionPoint
+
         self.recipe = model
         self.net = build_net(model)
+        self.inject = InjectionPoint()
         self.gc_load: GcLoad | None = None
 
     @override
@@ -66,7 +71,12 @@ class ExampleModule(L.LightningModule):
             time.sleep(compute_ms / 1e3)
         if self.gc_load is not None:
             self.gc_load.step()
-        return nn.functional.cross_entropy(self.net(x), y)
+        h = x
+        for index, layer in enumerate(self.net):
+            h = layer(h)
+            if index + 1 == self.recipe.inject_after:
+                h = self.inject(h)
+        return nn.functional.cross_entropy(h, y)
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 from pace_strategy.core.config import PacingConfig, check_known_keys
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.settings import build, load_mapping
-from pace_strategy.testing import Straggler
+from pace_strategy.testing import PHASES, Straggler
 
 __all__ = [
     "DataRecipe",
@@ -85,8 +85,14 @@ class ModelRecipe:
     sample_ms: float = 0.0
     gc_heap_objects: int = 0  #: long-lived objects each rank holds (``GcLoad``; 0: none)
     gc_garbage_objects: int = 0  #: cyclic garbage objects per micro-batch, on average (``GcLoad``; 0: none)
+    #: hidden block after which the injection point sits (a ``backward`` or ``forward_backward``
+    #: straggler spends its time there): 1, right after the first block, lands a backward delay at the
+    #: very end of backward; ``depth``, right before the output layer, just after the first gradients
+    inject_after: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.inject_after, int) or not 1 <= self.inject_after <= self.depth:
+            _fail("model.inject_after", self.inject_after, f"a hidden block index in [1, depth={self.depth}]")
         for name in ("inputs", "width", "depth", "classes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -120,19 +126,28 @@ class DataRecipe:
 
 @dataclass(frozen=True)
 class StragglerRecipe:
-    """An injected straggler: ``rank`` sleeps ``delay_ms`` before its forward (``rank: null``: none)."""
+    """An injected straggler: ``rank`` spends ``delay_ms`` more per step (``rank: null``: none), before
+    its forward, in its backward, or in both (``phase``)."""
 
     rank: int | None = None  #: global rank to slow down; ``null`` for a clean run
     delay_ms: float = 30.0  #: added time per affected step, milliseconds
     probability: float = 1.0  #: chance per step (1.0: a persistent straggler)
     jitter_ms: float = 0.0  #: uniform +/- spread on affected steps
     seed: int = 0  #: seed of the per-step draws
+    #: ``step`` (before the forward), ``backward`` (in backward, at ``model.inject_after``) or
+    #: ``forward_backward`` (half in each)
+    phase: str = "step"
+    spin: bool = False  #: real CPU work instead of a sleep
 
     def __post_init__(self) -> None:
         if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 0):
             _fail("straggler.rank", self.rank, "a global rank >= 0, or null for none")
+        if self.phase not in PHASES:
+            _fail("straggler.phase", self.phase, "one of " + ", ".join(PHASES))
         # the field checks of Straggler, also for a section that is switched off (rank: null)
         Straggler(rank=0, delay_ms=self.delay_ms, probability=self.probability, jitter_ms=self.jitter_ms)
+        if not isinstance(self.spin, bool):
+            _fail("straggler.spin", self.spin, "true or false")
 
     def injection(self) -> Straggler | None:
         """The :class:`~pace_strategy.testing.Straggler` this section describes (validated), or ``None``."""
@@ -144,6 +159,8 @@ class StragglerRecipe:
             probability=self.probability,
             jitter_ms=self.jitter_ms,
             seed=self.seed,
+            phase=self.phase,
+            spin=self.spin,
         )
 
 

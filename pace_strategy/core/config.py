@@ -59,12 +59,15 @@ class PacingConfig:
     ddp_monitor: DDPMonitor = field(
         default="grad_ready",
         metadata=doc(
-            """How DDP's sync point is timed. ``"grad_ready"``: arrival at the step's first gradient
-            (a hook on the parameter whose gradient comes first, before DDP launches any bucket),
-            completion once DDP has waited for every bucket; no Python runs on the communication path,
-            and a user's comm hook is registered as it is. ``"comm_hook"``: a comm hook that wraps the
-            user's (or the default all-reduce) and times every bucket (the run record's ``buckets``);
-            it costs more per step (docs/overhead.md). FSDP ignores this field."""
+            """How DDP's sync point is timed. Either way a rank's arrival is the end of its local
+            backward and the pacing delay is applied at its first gradient, before any bucket is
+            launched. ``"grad_ready"``: a hook on the parameter whose gradient comes first applies the
+            delay and queues autograd-engine callbacks that mark the end of backward and, after DDP
+            has waited for every bucket, completion; no Python runs on the communication path, and a
+            user's comm hook is registered as it is. ``"comm_hook"``: a comm hook that wraps the
+            user's (or the default all-reduce) and times every bucket (the run record's
+            ``buckets``), arrival at the last bucket's hand-off; it costs more per step
+            (docs/overhead.md). FSDP ignores this field."""
         ),
     )
     exchange_every_steps: int = field(

@@ -1,10 +1,12 @@
 """The Pacer: measure each step on this rank, exchange a window, decide identically everywhere, apply.
 
-The adapters (DDP monitors, Lightning, Accelerate) call four methods in this order each step:
+The adapters (DDP monitors, Lightning, Accelerate) call five methods in this order each step:
 ``begin_step`` (batch ready), ``enter_sync`` (the step's first gradient is ready, or its first bucket
-reaches the comm hook; applies the delay), ``sync_done`` (after DDP has waited for every bucket) or
-``sync_done_callback`` (chained onto the last bucket's future) and ``end_step`` (after the optimizer
-step). FSDP, whose all-gathers and reduce-scatters are each a sync point, brackets every
+reaches the comm hook: the last moment that can still hold the rank before its first collective, so
+the delay is applied there), ``arrive`` (the end of the rank's local backward: its last gradient is
+ready for the collective; this is the rank's **arrival**), ``sync_done`` (after DDP has waited for
+every bucket) or ``sync_done_callback`` (chained onto the last bucket's future) and ``end_step``
+(after the optimizer step). FSDP, whose all-gathers and reduce-scatters are each a sync point, brackets every
 collective with ``enter_collective`` / ``exit_collective`` instead (the first applies the delay).
 The hot path is a clock mark and an append; everything else happens once per window.
 
@@ -53,7 +55,11 @@ class _OpenStep:
     start: Any
     begin: Any
     prev_done: Any | None
+    #: the step's first gradient (or first bucket, or first FSDP collective): where the delay is applied
     ready: Any | None = None
+    #: ``ready`` plus the delay: the moment the rank was released into its first collective
+    entered: Any | None = None
+    #: the end of the rank's local backward (``arrive``); ``None``: not reported, ``entered`` stands in
     arrival: Any | None = None
     done: Any | None = None
     end: Any | None = None
@@ -244,11 +250,15 @@ class Pacer:
         self._prev_done = None
 
     def enter_sync(self, bucketed: bool = True) -> None:
-        """The step reaches its sync point: apply the delay, mark arrival.
+        """The step's first gradient is ready (or its first bucket, or its first FSDP collective, is
+        about to be handed off): apply the delay. Nothing has been communicated yet, so holding the rank
+        here holds it before its first collective.
 
         Called by the comm hook for the step's first gradient bucket (``bucketed``: later buckets
         follow through :meth:`note_bucket`), or by the grad-ready monitor for the step's first
-        gradient (``bucketed=False``: buckets are not timed; the run record's ``buckets`` is 0).
+        gradient (``bucketed=False``: buckets are not timed; the run record's ``buckets`` is 0). The
+        rank's arrival is marked later, by :meth:`arrive`, at the end of its local backward; a caller
+        that never calls :meth:`arrive` (FSDP) has its arrival here, after the delay.
         """
         step = self._open
         if step is None:  # hook fired outside begin/end (a bare DDP loop): open a step implicitly
@@ -259,15 +269,26 @@ class Pacer:
             step.handoffs.append(self.clock.mark())
             return
         step.ready = self.clock.mark()
-        self.progress = 3 * self._steps_seen + 2
         step.bucketed = bucketed
         delay = 0.0 if step.warmup else self._delay_ms
         if delay > 0.0:
             self.clock.delay(delay)
-            step.arrival = self.clock.mark()
+            step.entered = self.clock.mark()
         else:
-            step.arrival = step.ready
+            step.entered = step.ready
         step.delay_ms = delay
+
+    def arrive(self) -> None:
+        """The rank's local backward has ended: its last gradient is ready for the collective, and from
+        here it can only wait. This is the rank's **arrival** (the end of ``compute_ms``, the start of
+        ``wait_ms``). The grad-ready monitor calls it from an autograd-engine callback that runs before
+        DDP's own end-of-backward wait; the comm hook at the last bucket's hand-off. A later call in the
+        same step (another backward) moves the mark."""
+        step = self._open
+        if step is None or step.ready is None:
+            return  # no synchronized backward began in this step (a no_sync micro-batch)
+        step.arrival = self.clock.mark()
+        self.progress = 3 * self._steps_seen + 2
 
     def note_bucket(self) -> None:
         """Called by the comm hook for every later bucket: one mark and one append."""
@@ -286,7 +307,8 @@ class Pacer:
             return None
         if step.ready is None:
             self.enter_sync()
-            return step.arrival
+            self.progress = 3 * self._steps_seen + 2  # FSDP: its first collective is where it arrives
+            return step.entered
         start = self.clock.mark()
         step.handoffs.append(start)
         return start
@@ -450,7 +472,7 @@ class Pacer:
         el = self.clock.elapsed_ms
         row = [0.0] * NUM_FIELDS
         row[Field.STEP] = float(s.step)
-        seen = s.ready is not None and s.arrival is not None and s.done is not None
+        seen = s.ready is not None and s.entered is not None and s.done is not None
         row[Field.VALID] = 1.0 if seen else 0.0
         row[Field.WARMUP] = 1.0 if s.warmup else 0.0
         if seen and s.collectives:
@@ -458,8 +480,10 @@ class Pacer:
             row[Field.WAIT_MS] = blocked
             row[Field.COMPUTE_MS] = max(el(s.begin, s.done) - blocked - s.delay_ms, 0.0)
         elif seen:
-            row[Field.COMPUTE_MS] = el(s.begin, s.ready)
-            row[Field.WAIT_MS] = el(s.arrival, s.done)
+            # The delay was applied at the first gradient, before the arrival: it is not compute.
+            arrival = s.arrival if s.arrival is not None else s.entered
+            row[Field.COMPUTE_MS] = max(el(s.begin, arrival) - s.delay_ms, 0.0)
+            row[Field.WAIT_MS] = max(el(arrival, s.done), 0.0)
         row[Field.DELAY_MS] = s.delay_ms
         row[Field.STEP_MS] = el(s.start, s.end)
         row[Field.DATA_MS] = s.data_ms

@@ -17,13 +17,16 @@ class Field(enum.IntEnum):
     STEP = 0  #: global step label (checked for agreement across ranks)
     VALID = 1  #: 1.0 when the gradient sync point was seen this step (the comm hook fired), else 0.0
     WARMUP = 2  #: 1.0 for warm-up steps (excluded from statistics and pacing)
-    #: DDP: batch ready -> ready to enter the sync point (forward, backward), without the delay.
+    #: DDP: batch ready -> arrival, the end of the rank's local backward (forward and the whole
+    #: backward; the grad-ready monitor's engine callback, or the comm hook's last-bucket hand-off),
+    #: without the delay. Run-record schema version 1 ended it at the first gradient instead.
     #: FSDP: batch ready -> last collective done, less the time blocked in collectives and the delay.
     COMPUTE_MS = 3
-    #: DDP: arrival at the sync point -> completion of the step's last gradient collective.
+    #: DDP: arrival (end of local backward) -> completion of the step's last gradient collective; the
+    #: smallest over the ranks is the transfer time, what is exposed once the last rank finished.
     #: FSDP: the sum over the step's all-gathers and reduce-scatters of hand-off -> completion.
     WAIT_MS = 4
-    DELAY_MS = 5  #: pacing delay applied before the first gradient collective
+    DELAY_MS = 5  #: pacing delay applied at the first gradient, before the first gradient collective
     STEP_MS = 6  #: wall time of the step on this rank (start -> after the optimizer step)
     DATA_MS = 7  #: time the training loop was blocked fetching this step's input (``add_data_wait``)
     GAP_MS = 8  #: previous step's collective completion -> this batch ready (optimizer, loop, input, ...)

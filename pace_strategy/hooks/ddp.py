@@ -2,12 +2,20 @@
 
 :func:`attach_paced_ddp` picks one by ``PacingConfig.ddp_monitor``.
 
-The grad-ready monitor (:class:`GradReadyMonitor`) puts no Python on the communication path: one
-hook on the parameter whose gradient is ready first marks the arrival and applies the delay (before
-DDP can launch any bucket), and an autograd-engine callback marks completion once DDP has waited for
-every bucket. A user's comm hook is registered as it is.
+Both measure a rank's **arrival** at the end of its local backward, when its last gradient is ready
+for the collective: the step is set by the last bucket, and in a real model most of the compute is
+backward, so a rank slow anywhere in backward arrives late. Both apply the pacing delay earlier, at
+the step's first gradient (or first bucket), the last moment that still holds the rank before its
+first collective.
 
-The comm hook (:func:`paced_comm_hook`) wraps any other hook and times every bucket. It composes:
+The grad-ready monitor (:class:`GradReadyMonitor`) puts no Python on the communication path: one
+hook on the parameter whose gradient is ready first applies the delay (before DDP can launch any
+bucket) and queues autograd-engine callbacks: the first marks the arrival once the engine has run
+the whole backward, a second marks completion once DDP has waited for every bucket. A user's comm
+hook is registered as it is.
+
+The comm hook (:func:`paced_comm_hook`) wraps any other hook and times every bucket; the last
+bucket's hand-off is the arrival. It composes:
 the wrapped hook (a user's hook such as fp16 compression, or by default the mean all-reduce) does the
 communication and its result is returned unchanged, so pacing never changes the gradients. Its hot
 path is one clock mark and an append per bucket; the default all-reduce is issued on the process
@@ -73,7 +81,8 @@ def paced_comm_hook(state: PacedHookState, bucket: dist.GradBucket) -> torch.fut
     """Enter the sync point through the pacer, then delegate to the wrapped hook.
 
     Bucket 0 is the first one DDP hands to the collective (the reducer launches buckets in index
-    order), so the pacing delay goes there: just before the rank's first gradient collective.
+    order), so the pacing delay goes there: just before the rank's first gradient collective. The
+    last bucket's hand-off is the rank's arrival: its local backward has produced every gradient.
     """
     if not state.enabled:
         return _communicate(state, bucket)
@@ -84,6 +93,7 @@ def paced_comm_hook(state: PacedHookState, bucket: dist.GradBucket) -> torch.fut
         pacer.note_bucket()
     if not bucket.is_last():
         return _communicate(state, bucket)
+    pacer.arrive()
     done = pacer.sync_done_callback()
     if state.inner_hook is not None:
         return state.inner_hook(state.inner_state, bucket).then(done)
@@ -135,14 +145,18 @@ def register_paced_hook(
 class GradReadyMonitor:
     """Times and paces DDP's sync point with no Python on the communication path.
 
-    **Arrival** is the step's first gradient: a post-accumulate-grad hook, which autograd runs inside
-    the parameter's ``AccumulateGrad`` node before the node's post-hooks, among them DDP's, which
-    marks the gradient ready for its bucket. A bucket is launched only once all its gradients are
-    ready and buckets are launched in order, so the first gradient of a backward comes before any
-    collective: the pacing delay is applied there. **Completion**: that hook queues an autograd-engine
-    callback that queues a second one; the engine runs its callbacks in the order queued, also those
-    queued while they run, so the second runs after DDP's own end-of-backward callback (queued when
-    the last bucket became ready), which waits for every bucket's collective.
+    **The delay** goes at the step's first gradient: a post-accumulate-grad hook, which autograd runs
+    inside the parameter's ``AccumulateGrad`` node before the node's post-hooks, among them DDP's,
+    which marks the gradient ready for its bucket. A bucket is launched only once all its gradients
+    are ready and buckets are launched in order, so the first gradient of a backward comes before any
+    collective. **Arrival**: that hook queues an autograd-engine callback. The engine runs callbacks
+    once the whole graph has been executed, in the order queued, and DDP queues its own
+    end-of-backward callback (which waits for every bucket's collective) only when its last bucket
+    becomes ready, after the first gradient. So ours runs first, at the end of this rank's local
+    backward, before any waiting: it marks the arrival (on CUDA, an event on the stream the engine
+    hands its callbacks, which has waited for the backward's streams). **Completion**: it queues a
+    second callback; callbacks queued while callbacks run go to the back of the queue, so the second
+    runs after DDP's wait.
 
     One parameter carries the hook: the last one that requires grad (DDP's own guess for the first
     gradient). In the first ``warmup_steps`` synchronized backwards the monitor checks the guess: a
@@ -210,8 +224,9 @@ class GradReadyMonitor:
             log.debug("GradReadyMonitor: gradients %s came before %d; hooked too", earlier, index)
 
     def _queue_done(self) -> None:
-        # Queued from the first gradient, so it runs before DDP's end-of-backward callback: queue
-        # the mark behind it.
+        # Queued from the first gradient, so it runs before DDP's end-of-backward callback, once the
+        # engine has run the whole backward: the arrival. Completion is queued behind DDP's wait.
+        self._pacer.arrive()
         self._engine.queue_callback(self._pacer.sync_done)
 
 

@@ -50,7 +50,10 @@ __all__ = [
 ]
 
 SCHEMA = "pace_strategy/run-record"
-SCHEMA_VERSION = 1
+#: 2: a DDP rank's arrival (the end of ``compute_ms``, the start of ``wait_ms``) is the end of its local
+#: backward; 1: it was the step's first gradient (the rest of backward counted as waiting). The lines
+#: are the same; version 1 records still read, and the diagnosis says which arrival a record has.
+SCHEMA_VERSION = 2
 RECORD_FILENAME = "pace_run.jsonl"
 
 
@@ -349,6 +352,17 @@ class RunRecord:
     def restart_count(self) -> int:
         """Elastic restarts before the attempt that wrote this record (0: the first attempt)."""
         return int(self.header.get("restart_count", 0))
+
+    @property
+    def version(self) -> int:
+        """The record's schema version (``SCHEMA_VERSION`` when this pace_strategy wrote it)."""
+        return int(self.header.get("version", 1))
+
+    @property
+    def arrival(self) -> str:
+        """What a DDP rank's arrival is in this record: ``"end_of_backward"`` (schema 2 and later) or
+        ``"first_gradient"`` (schema 1: the rest of its backward is in ``wait_ms``)."""
+        return "end_of_backward" if self.version >= 2 else "first_gradient"
 
 
 def read_run_record(path: str | os.PathLike[str]) -> RunRecord:

@@ -2,8 +2,12 @@
 
 A :class:`Straggler` says which rank is slowed, by how much and how often; the delay for a given
 (rank, step) is a pure function of its fields and the seed, so every run replays the same schedule.
-The delay is a sleep: it models accelerator or input time without stealing the host's CPU from the
-other ranks (a busy-spin straggler on a small machine slows everyone).
+Where the time goes is the straggler's ``phase``: at the start of the step (``"step"``, before the
+forward; isolates the mechanism), inside backward (``"backward"``: what a real model's slow rank does,
+where most of its compute is), or split between forward and backward (``"forward_backward"``). The
+backward phases are applied by :class:`~pace_strategy.testing.slow.InjectionPoint`, a parameter-free
+module the model calls at some depth. The delay is a sleep (accelerator time, without stealing the
+host's CPU from the other ranks) or, with ``spin``, real CPU work for that long.
 """
 
 from __future__ import annotations
@@ -16,13 +20,19 @@ from dataclasses import dataclass
 from pace_strategy.core.errors import PacingConfigError
 
 __all__ = [
+    "PHASES",
     "Straggler",
     "batch_samples",
     "injected_delay_ms",
     "parse_slow_devices",
     "parse_stragglers",
     "sleep_injected",
+    "spend_ms",
 ]
+
+
+#: where a straggler's time is spent in the step
+PHASES = ("step", "backward", "forward_backward")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +49,11 @@ class Straggler:
         jitter_ms: uniform +/- spread added to ``delay_ms`` on affected steps.
         start_step: first step affected.
         seed: seed of the per-step draws.
+        phase: where the time goes: ``"step"`` (before the forward), ``"backward"`` (inside
+            backward, at the model's injection point), ``"forward_backward"`` (half in the forward
+            and half in the backward at the injection point).
+        spin: real CPU work instead of a sleep (a host that is slow itself; on a small machine it
+            also takes CPU from the other ranks).
     """
 
     rank: int
@@ -48,8 +63,14 @@ class Straggler:
     jitter_ms: float = 0.0
     start_step: int = 0
     seed: int = 0
+    phase: str = "step"
+    spin: bool = False
 
     def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise PacingConfigError(
+                f"Straggler.phase={self.phase!r} is invalid: expected one of {', '.join(PHASES)}."
+            )
         if self.rank < 0:
             raise PacingConfigError(f"Straggler.rank={self.rank!r} is invalid: expected a rank >= 0.")
         if self.delay_ms < 0 or self.jitter_ms < 0 or self.per_sample_ms < 0:
@@ -80,11 +101,31 @@ def injected_delay_ms(stragglers: Iterable[Straggler], rank: int, step: int, sam
 
 
 def sleep_injected(stragglers: Iterable[Straggler], rank: int, step: int, samples: int = 0) -> float:
-    """Sleep for the injected delay; returns the milliseconds slept."""
-    ms = injected_delay_ms(stragglers, rank, step, samples)
-    if ms > 0:
+    """Spend the injected delay of the ``"step"``-phase stragglers now (a sleep, or CPU work for
+    ``spin`` ones); returns the milliseconds spent."""
+    total = 0.0
+    for s in stragglers:
+        if s.phase == "step":
+            ms = s.delay_at(rank, step, samples)
+            spend_ms(ms, s.spin)
+            total += ms
+    return total
+
+
+def spend_ms(ms: float, spin: bool = False) -> None:
+    """Take ``ms`` milliseconds: a sleep, or with ``spin`` real CPU work (small matrix products,
+    which release the GIL as real kernels do) until the time is up."""
+    if ms <= 0:
+        return
+    if not spin:
         time.sleep(ms / 1e3)
-    return ms
+        return
+    import torch
+
+    deadline = time.perf_counter() + ms / 1e3
+    a = torch.ones(64, 64)
+    while time.perf_counter() < deadline:
+        a = torch.mm(a, a).clamp_(max=1.0)
 
 
 def batch_samples(batch: object) -> int:

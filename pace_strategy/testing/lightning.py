@@ -10,13 +10,16 @@ from lightning.pytorch import Callback
 from typing_extensions import override
 
 from pace_strategy.testing.inject import Straggler, batch_samples, sleep_injected
+from pace_strategy.testing.slow import arm_injection_points
 
 __all__ = ["InjectStraggler"]
 
 
 class InjectStraggler(Callback):
-    """Sleep on the chosen ranks at the start of each training batch (inside the measured compute;
-    a per-sample injection counts the batch's samples).
+    """Slow the chosen ranks in each training batch (inside the measured compute; a per-sample
+    injection counts the batch's samples): ``"step"``-phase stragglers at the start of the batch,
+    ``"backward"`` and ``"forward_backward"`` ones at the module's
+    :class:`~pace_strategy.testing.slow.InjectionPoint` (armed at the start of the batch).
 
     Args:
         stragglers: the injections (see :class:`pace_strategy.testing.Straggler`).
@@ -28,6 +31,6 @@ class InjectStraggler(Callback):
 
     @override
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.injected_ms += sleep_injected(
-            self.stragglers, trainer.global_rank, trainer.global_step, batch_samples(batch)
-        )
+        rank, step, samples = trainer.global_rank, trainer.global_step, batch_samples(batch)
+        self.injected_ms += sleep_injected(self.stragglers, rank, step, samples)
+        self.injected_ms += arm_injection_points(pl_module, self.stragglers, rank, step, samples)

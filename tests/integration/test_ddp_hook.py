@@ -191,6 +191,61 @@ def _measure(rank: int, out_dir: str) -> None:
     torch.save(result, os.path.join(out_dir, f"measure{rank}.pt"))
 
 
+BACKWARD_DELAY_MS = 20.0
+
+
+def _slow_backward(rank: int, out_dir: str) -> None:
+    """Monitor only, each monitor in turn on its own DDP model (several buckets): rank 1's backward
+    takes 20 ms longer, after the gradients of every layer but the first are ready; the forward and
+    the first gradient are on time on both ranks."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from pace_strategy import Pacer, PacingConfig, attach_paced_ddp
+    from pace_strategy.core.records import Field
+    from pace_strategy.session import side_group
+    from pace_strategy.testing.slow import InjectionPoint
+
+    result = {}
+    for monitor in ("grad_ready", "comm_hook"):
+        torch.manual_seed(0)
+        point = InjectionPoint()
+        net = torch.nn.Sequential(
+            torch.nn.Linear(16, 64), point, torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+            torch.nn.Linear(64, 4),
+        )  # fmt: skip
+        model = DDP(net, bucket_cap_mb=0.005)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        cfg = PacingConfig(
+            ddp_monitor=monitor,
+            mode="monitor",
+            exchange_timeout_s=60.0,
+            exchange_every_steps=4,
+            warmup_steps=2,
+        )
+        pacer = Pacer(cfg, side_group(cfg), rank, WORLD)
+        handle = attach_paced_ddp(model, pacer)
+        g = torch.Generator().manual_seed(100 + rank)
+        windows = []
+        for step in range(STEPS):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            pacer.begin_step(step)
+            if rank == 1:
+                point.arm(0.0, BACKWARD_DELAY_MS)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            window = pacer.end_step()
+            if window is not None:
+                windows.append(window.gathered)
+        windows += [w.gathered for w in pacer.flush()]
+        handle.remove()
+        gathered = torch.cat(windows, 1)[:, cfg.warmup_steps :]
+        result[monitor] = {
+            f.name: gathered[:, :, f] for f in (Field.WAIT_MS, Field.COMPUTE_MS, Field.BUCKETS)
+        }
+    torch.save(result, os.path.join(out_dir, f"slow{rank}.pt"))
+
+
 def _spawn(fn, out, *args) -> None:
     """Run ``fn(rank, store, out, *args)`` on WORLD processes; a hang or error shows the ranks' stacks."""
     args = (str(out / "store"), str(out), fn, *args)
@@ -237,6 +292,21 @@ def test_paced_over_several_buckets_matches_ddps_own_bits(tmp_path, monitor):
     assert max(paced["delays"]) > 1.0, f"no delay was applied: {paced['delays']}"
     for key, value in plain["state"].items():
         assert torch.equal(value, paced["state"][key]), key
+
+
+def test_a_rank_slow_late_in_backward_arrives_late_by_its_delay_under_both_monitors(tmp_path):
+    # The delay comes after the first gradient and after the first buckets' hand-offs: a first-gradient
+    # arrival would see rank 1 on time and put the 20 ms into rank 0's compute-free wait.
+    _spawn(_slow_backward, tmp_path)
+    run = torch.load(tmp_path / "slow0.pt")
+    for monitor, g in run.items():
+        lead = (g["WAIT_MS"][0] - g["WAIT_MS"][1]).median().item()  # rank 0 waits for rank 1
+        late = (g["COMPUTE_MS"][1] - g["COMPUTE_MS"][0]).median().item()  # rank 1's own compute
+        assert abs(lead - BACKWARD_DELAY_MS) <= 0.1 * BACKWARD_DELAY_MS, (monitor, lead, g["WAIT_MS"])
+        assert abs(late - BACKWARD_DELAY_MS) <= 0.1 * BACKWARD_DELAY_MS, (monitor, late, g["COMPUTE_MS"])
+        # the transfer time (the smallest wait) holds no backward compute
+        assert g["WAIT_MS"][1].median().item() < 0.5 * BACKWARD_DELAY_MS, (monitor, g["WAIT_MS"])
+    assert run["comm_hook"]["BUCKETS"].min().item() >= 2  # the first and the last bucket differ
 
 
 def test_grad_ready_marks_arrival_before_the_buckets_and_completion_after_the_straggler(tmp_path):

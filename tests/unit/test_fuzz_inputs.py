@@ -30,7 +30,13 @@ from pace_strategy.integrations.accelerate.env import (
 from pace_strategy.integrations.accelerate.launch import prepare_launch
 from pace_strategy.settings import build, load_mapping
 from pace_strategy.sim.model import SimConfig
-from pace_strategy.telemetry.run_record import RunRecord, RunRecordError, read_run_record, summarize
+from pace_strategy.telemetry.run_record import (
+    SCHEMA_VERSION,
+    RunRecord,
+    RunRecordError,
+    read_run_record,
+    summarize,
+)
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "run4_transient.jsonl"
 
@@ -187,13 +193,13 @@ def test_lines_with_missing_or_mistyped_fields(work: Path, line: int, mutation: 
     except RunRecordError as error:
         message = str(error)
         version = obj.get("version") if line == 0 else None
-        if type(version) is int and version > 1:
+        if type(version) is int and version > SCHEMA_VERSION:
             assert f"schema version {version}" in message and "Upgrade pace_strategy" in message
             return
         # the header's world size is checked against the next step's per-rank lists
         assert _named_line(message) in ((1, 2) if line == 0 else (line + 1,)), message
     else:
-        assert not (kind == "version" and args[0] > 1)
+        assert not (kind == "version" and args[0] > SCHEMA_VERSION)
 
 
 # ------------------------------------------------------------------------- settings: dotlists, recipes

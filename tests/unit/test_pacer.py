@@ -15,12 +15,16 @@ def summaries(*results):
 
 
 def run_step(pacer, clock, step, data_ms=2.0, compute_ms=30.0, wait_ms=5.0, opt_ms=1.0):
+    """One step as the comm hook sees it: the first bucket 10 ms into the step, the last one (the
+    arrival) at the end of ``compute_ms``."""
     clock.advance(data_ms)
     pacer.add_data_wait(data_ms)  # as the timed DataLoader iterator reports it
     pacer.begin_step(step)
-    clock.advance(compute_ms)
+    clock.advance(10.0)
     pacer.enter_sync()
+    clock.advance(compute_ms - 10.0)  # the rest of backward
     pacer.note_bucket()
+    pacer.arrive()  # the last bucket's hand-off
     clock.advance(wait_ms)
     done = pacer.sync_done_callback()
     fut = torch.futures.Future()
@@ -39,7 +43,7 @@ def test_measures_each_duration_of_the_step():
     assert window.window == 0 and [x.step for x in summaries(window)] == [0, 1, 2, 3]
     s = summaries(window)[2]
     assert s.step == 2 and s.valid and not s.warmup
-    assert s.compute_ms == (30.0,)  # batch ready -> first bucket
+    assert s.compute_ms == (30.0,)  # batch ready -> last bucket: the end of local backward
     assert s.data_ms == (2.0,)
     assert s.wait_ms == (5.0,)
     assert s.rank_step_ms == (38.0,)  # previous step's end -> this step's end
@@ -53,8 +57,10 @@ def test_grad_ready_path_measures_the_same_durations_without_buckets():
     pacer = Pacer(PacingConfig(exchange_every_steps=2, warmup_steps=0), None, 0, 1, clock)
     for step in range(3):
         pacer.begin_step(step)
-        clock.advance(30.0)
+        clock.advance(10.0)  # forward and the first layers of backward
         pacer.enter_sync(bucketed=False)  # the step's first gradient
+        clock.advance(20.0)  # the rest of backward: compute, not waiting
+        pacer.arrive()  # the engine callback at the end of local backward
         clock.advance(5.0)
         pacer.sync_done()  # after DDP waited for every bucket
         clock.advance(1.0)
@@ -62,6 +68,42 @@ def test_grad_ready_path_measures_the_same_durations_without_buckets():
     assert window is not None
     s = summaries(window)[0]
     assert s.valid and s.compute_ms == (30.0,) and s.wait_ms == (5.0,) and s.buckets == 0
+
+
+def test_the_delay_at_the_first_gradient_is_neither_compute_nor_wait():
+    clock = ManualClock()
+    cfg = PacingConfig(mode="forced", exchange_every_steps=2, warmup_steps=0)
+    pacer = Pacer(cfg, None, 0, 1, clock)
+    pacer._delay_ms = 4.0  # one rank has no lead: give it a delay directly
+    for step in range(3):
+        pacer.begin_step(step)
+        clock.advance(10.0)
+        pacer.enter_sync(bucketed=False)  # held 4 ms here, before any bucket can launch
+        clock.advance(20.0)
+        pacer.arrive()
+        clock.advance(5.0)
+        pacer.sync_done()
+        window = pacer.end_step()
+    assert clock.delays_ms == [4.0, 4.0, 4.0]
+    s = summaries(window)[0]
+    assert s.compute_ms == (30.0,) and s.wait_ms == (5.0,) and s.delay_ms == (4.0,)
+
+
+def test_without_an_arrival_mark_the_first_gradient_stands_in():
+    # A caller that never reports the end of backward (FSDP's collectives, an older adapter): the
+    # arrival is the first gradient, after the delay, as in run-record schema version 1.
+    clock = ManualClock()
+    pacer = Pacer(PacingConfig(exchange_every_steps=2, warmup_steps=0), None, 0, 1, clock)
+    for step in range(3):
+        pacer.begin_step(step)
+        clock.advance(10.0)
+        pacer.enter_sync(bucketed=False)
+        assert pacer.progress % 3 == 1  # not arrived yet: the watchdog sees a rank in its step
+        clock.advance(20.0)
+        pacer.sync_done()
+        window = pacer.end_step()
+    s = summaries(window)[0]
+    assert s.compute_ms == (10.0,) and s.wait_ms == (20.0,)
 
 
 def test_forced_mode_applies_the_delay_before_the_first_bucket_only():
