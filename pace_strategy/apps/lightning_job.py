@@ -93,11 +93,12 @@ class ShardedExampleModule(ExampleModule):
 
     @override
     def configure_model(self) -> None:
-        from pace_strategy.hooks.fsdp import auto_shard
+        from pace_strategy.hooks.fsdp import auto_shard_steps
 
         mesh = self.device_mesh
         assert mesh is not None  # set by ModelParallelStrategy before configure_model
-        auto_shard(self.net, mesh["data_parallel"], min_params=self.min_params)
+        # the same layout paced_fsdp chooses: the module is the root group, its blocks by size
+        auto_shard_steps(self, mesh["data_parallel"], min_params=self.min_params)
 
 
 class Progress(L.Callback):

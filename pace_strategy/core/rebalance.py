@@ -8,10 +8,12 @@ and the fast ranks more does. :class:`RebalancePolicy` decides the split; the Pa
 Like the pacing controller it is a deterministic state machine fed one gathered window at a time, so
 every rank takes the same decision from the same data without further communication:
 
-- **Measure** each rank's per-sample compute time: ``COMPUTE_MS / SAMPLES`` (median over the window's
-  usable steps). Compute time runs from batch ready to the sync point, so a rank that starts late
-  behind a slow network path (``GAP_MS``, the wait pattern) or waits for its input (``DATA_MS``) is
-  not slow here and is never rebalanced.
+- **Measure** each rank's per-sample compute time: ``COMPUTE_MS / SAMPLES``, the **mean** over the
+  window's usable steps. The mean, not the median: throughput is set by the mean step, and a host slow
+  in bursts (a CPU quota, a noisy neighbour) is normal at the median and loses its time in the tail.
+  Compute time runs from batch ready to the end of the rank's local backward, so a rank that starts
+  late behind a slow network path (``GAP_MS``, the wait pattern) or waits for its input
+  (``DATA_MS``) is not slow here and is never rebalanced.
 - **Propose** the split of the global batch, in whole quanta, that minimizes the slowest predicted
   compute (per-sample time x share): shares proportional to speed. Only when it is predicted to
   shorten the step by ``rebalance_min_imbalance`` of the step time, for
@@ -99,11 +101,11 @@ class WindowMeasure:
     shares: tuple[int, ...]  #: per-rank samples of the first usable step
     uniform: bool  #: every usable step ran at ``shares``, with the same number of micro-batches
     batches: int  #: micro-batches per step (gradient accumulation), each of one global batch
-    compute_ms: tuple[float, ...]  #: per-rank median compute time per step, ms
-    #: per-rank median unpaced wait at the sync point (wait + delay), ms: how early each rank arrived
+    compute_ms: tuple[float, ...]  #: per-rank mean compute time per step, ms
+    #: per-rank mean unpaced wait at the sync point (wait + delay), ms: how early each rank arrived
     wait_ms: tuple[float, ...]
-    per_sample_ms: tuple[float, ...]  #: per-rank median of compute time / samples, ms
-    step_ms: float  #: median step time (slowest rank), ms
+    per_sample_ms: tuple[float, ...]  #: per-rank mean of compute time / samples, ms
+    step_ms: float  #: mean step time (slowest rank), ms: what sets the samples per second
     paced: bool  #: some usable step ran under a pacing delay
 
 
@@ -131,7 +133,8 @@ def measure_window(gathered: torch.Tensor, global_batch: int) -> WindowMeasure |
     n = rows[:, :, Field.SAMPLES] / batches  # per micro-batch: the split itself
     compute = rows[:, :, Field.COMPUTE_MS]
     labels = rows[0, :, Field.STEP]
-    per_sample = (compute / rows[:, :, Field.SAMPLES]).median(dim=1).values
+    # Means over the window: the time a burst costs counts (a median would not see it).
+    per_sample = (compute / rows[:, :, Field.SAMPLES]).mean(dim=1)
     if not bool((per_sample > 0).all()):
         return "a rank's compute time was not measured (0 ms per sample)"
     return WindowMeasure(
@@ -140,10 +143,10 @@ def measure_window(gathered: torch.Tensor, global_batch: int) -> WindowMeasure |
         shares=tuple(int(v) for v in n[:, 0].tolist()),
         uniform=bool((n == n[:, :1]).all()) and bool((batches == batches[0]).all()),
         batches=int(batches[0]),
-        compute_ms=tuple(compute.median(dim=1).values.tolist()),
-        wait_ms=tuple((rows[:, :, Field.WAIT_MS] + rows[:, :, Field.DELAY_MS]).median(dim=1).values.tolist()),
+        compute_ms=tuple(compute.mean(dim=1).tolist()),
+        wait_ms=tuple((rows[:, :, Field.WAIT_MS] + rows[:, :, Field.DELAY_MS]).mean(dim=1).tolist()),
         per_sample_ms=tuple(per_sample.tolist()),
-        step_ms=float(rows[:, :, Field.STEP_MS].amax(dim=0).median()),
+        step_ms=float(rows[:, :, Field.STEP_MS].amax(dim=0).mean()),
         paced=bool((rows[:, :, Field.DELAY_MS] > 0).any()),
     )
 
@@ -306,7 +309,7 @@ class RebalancePolicy:
         cfg = self.config
         shares, saving = self._proposal(m.per_sample_ms, m.compute_ms, m.wait_ms, m.batches)
         note = (
-            f"per-sample compute {_ms(m.per_sample_ms)} ms at {list(self._shares)}; best split "
+            f"mean per-sample compute {_ms(m.per_sample_ms)} ms at {list(self._shares)}; best split "
             f"{list(shares)} saves {saving:.2f} of {m.step_ms:.2f} ms"
         )
         if shares == self._shares or saving < cfg.rebalance_min_imbalance * m.step_ms:
@@ -337,7 +340,7 @@ class RebalancePolicy:
         return self._set(
             window,
             RebalanceState.TRIAL,
-            f"imbalanced for {cfg.rebalance_persist_windows} windows (per-sample compute "
+            f"imbalanced for {cfg.rebalance_persist_windows} windows (mean per-sample compute "
             f"{_ms(per_sample)} ms): split {list(self._previous)} -> {list(shares)} from step {from_step}, "
             f"predicted to save {saving:.2f} ms of {step_ms:.2f}; A/B trial against "
             f"{self._baseline_ms:.2f} ms",

@@ -14,6 +14,7 @@ __all__ = ["DiagnosisConfig"]
 #: fields that are shares or fractions of something, so must lie in (0, 1]
 _SHARES = (
     "persistent_share",
+    "tail_loss_share",
     "compute_late_fraction",
     "locality_share",
     "locality_spread_fraction",
@@ -36,12 +37,23 @@ class DiagnosisConfig:
     persistent_share: float = field(
         default=0.5, metadata=doc("A rank last in at least this share of steps is a persistent straggler.")
     )
+    tail_loss_share: float = field(
+        default=0.7,
+        metadata=doc(
+            """A rank whose late steps hold at least this share of all the time the ranks lost waiting is
+            a straggler even when it is late in only some steps (a host slow in bursts: a CPU quota, a
+            noisy neighbour); its lateness is then the mean over those steps weighted by the wait each
+            caused, not the median."""
+        ),
+    )
     compute_late_fraction: float = field(
         default=0.5,
         metadata=doc(
-            """A persistent straggler whose own compute exceeds the other ranks' median by at least this
-            fraction of its lateness is slow itself (``persistent_straggler``); below it, the rank started
-            late behind a slower network path (``fabric_contention``)."""
+            """A straggler whose own compute exceeds the other ranks' median by at least this fraction of
+            its lateness is slow itself (``persistent_straggler``); so is one whose compute plus its own
+            work between steps (optimizer, input, framework: its previous collective's completion to its
+            next step's start) does. Below it, its work was normal and it started late behind a slower
+            network path (``fabric_contention``)."""
         ),
     )
     locality_share: float = field(

@@ -139,79 +139,119 @@ def locality(run: RunStats, explained: set[int]) -> list[Finding]:
     return out
 
 
+def _weighted(x: np.ndarray, weights: np.ndarray) -> float:
+    """Mean of ``x`` weighted by ``weights`` (the wait each step caused); the plain mean without any."""
+    total = float(weights.sum())
+    return float((x * weights).sum() / total) if total > 0 else float(x.mean())
+
+
 def persistent_or_late_start(run: RunStats, explained: set[int]) -> list[Finding]:
+    """A rank late in most steps (persistent), or late in the steps that cost most of the waiting (a
+    bursty host), told apart by what made it late: its own work (compute, or its time between steps)
+    or a start delayed by its previous collective completing late on it (the network)."""
     out = []
+    cfg = run.cfg
     noise = run.noise_ms()
+    total_lost = float(run.lost_per_step.sum())
     for r in range(run.W):
-        if r in explained or run.share[r] < run.cfg.persistent_share:
-            continue
         mask = run.straggler == r
-        late = float(np.median(run.late_ms([r], mask)))
-        if late < noise:
+        if r in explained or not mask.any():
             continue
-        compute_late = float(np.median((run.a.compute[:, r] - run.others_median(run.a.compute, [r]))[mask]))
+        late_steps = run.late_ms([r], mask)
+        weights = np.clip(late_steps, 0.0, None)
+        compute_excess = (run.a.compute[:, r] - run.others_median(run.a.compute, [r]))[mask]
+        gap_excess = (run.a.gap[:, r] - run.others_median(run.a.gap, [r]))[mask]
+        loss_share = float(run.lost_per_step[mask].sum()) / total_lost if total_lost > 0 else 0.0
+        if run.share[r] >= cfg.persistent_share and float(np.median(late_steps)) >= noise:
+            tail = False
+            late = float(np.median(late_steps))
+            compute_late, gap_late = float(np.median(compute_excess)), float(np.median(gap_excess))
+        elif loss_share >= cfg.tail_loss_share and _weighted(late_steps, weights) >= noise:
+            tail = True  # late in the tail: measured where the time is lost, not at the median
+            late = _weighted(late_steps, weights)
+            compute_late, gap_late = _weighted(compute_excess, weights), _weighted(gap_excess, weights)
+        else:
+            continue
         explained.add(r)
-        if compute_late >= run.cfg.compute_late_fraction * late:
+        how_late = (
+            f"{late:.1f} ms late on average over those steps, weighted by the wait each caused (median "
+            f"{float(np.median(late_steps)):.1f} ms, p90 {float(np.percentile(late_steps, 90)):.1f} ms); "
+            f"those steps hold {pct(loss_share)} of all the time the ranks lost waiting"
+            if tail
+            else f"{late:.1f} ms late at the median"
+        )
+        last_in = f"arrived last in {pct(float(run.share[r]))} of {run.S:,} steps"
+        head = f"{run.a.describe_rank(r)} {last_in}, {how_late}"
+        details = {
+            "late_ms": late,
+            "compute_late_ms": compute_late,
+            "between_steps_late_ms": gap_late,
+            "lost_share": loss_share,
+            "measure": "weighted_mean" if tail else "median",
+        }
+        if compute_late >= cfg.compute_late_fraction * late:
+            cause = f"its own compute took {compute_late:.1f} ms longer than the other ranks' median"
+        elif compute_late + gap_late >= cfg.compute_late_fraction * late:
+            cause = (
+                f"its own work took longer: compute {compute_late:+.1f} ms and its time between steps "
+                f"(optimizer, input, framework: from its previous collective's completion to its next "
+                f"step's start) {gap_late:+.1f} ms against the other ranks' median"
+            )
+        else:
+            cause = ""
+        if cause:
             out.append(
                 Finding(
                     mode=Mode.PERSISTENT_STRAGGLER,
                     ranks=[r],
                     hosts=run.hosts_of([r]),
-                    confidence=float(run.share[r]),
+                    confidence=max(float(run.share[r]), loss_share) if tail else float(run.share[r]),
                     lost_step_fraction=run.lost_when(mask),
                     noise_floor_fraction=run.jitter_when(mask),
                     projection_basis="ranks",
-                    evidence=(
-                        f"{run.a.describe_rank(r)} arrived last in {pct(float(run.share[r]))} of "
-                        f"{run.S:,} steps, {late:.1f} ms late at the median; its own compute took "
-                        f"{compute_late:.1f} ms longer than the other ranks' median"
-                        f"{per_sample_text(run.a, r, mask)}"
-                    ),
-                    action=_straggler_action(run),
+                    evidence=f"{head}; {cause}{per_sample_text(run.a, r, mask)}",
+                    action=_straggler_action(run, tail),
+                    details=details,
                 )
             )
-        else:
-            gap_r = float(np.median(run.a.gap[mask, r]))
-            gap_others = float(np.median(run.others_median(run.a.gap, [r])[mask]))
-            out.append(
-                Finding(
-                    mode=Mode.FABRIC_CONTENTION,
-                    ranks=[r],
-                    hosts=run.hosts_of([r]),
-                    confidence=float(run.share[r]) * LATE_START_CONFIDENCE_FACTOR,
-                    lost_step_fraction=run.lost_when(mask),
-                    noise_floor_fraction=run.jitter_when(mask),
-                    projection_basis="ranks",
-                    evidence=(
-                        f"{run.a.describe_rank(r)} arrived last in {pct(float(run.share[r]))} of "
-                        f"{run.S:,} steps, {late:.1f} ms late at the median, but its compute was normal "
-                        f"({compute_late:+.1f} ms against the other ranks' median): it started each step "
-                        f"{gap_r:.1f} ms after its previous collective completed, against "
-                        f"{gap_others:.1f} ms "
-                        "on the other ranks, so its lateness comes from a slower network path, not from "
-                        "the rank"
-                    ),
-                    action=(
-                        "look at this rank's network path (link rate, switch port, oversubscribed uplink); "
-                        "the rank itself is healthy and must not be paced or replaced"
-                    ),
-                    details={
-                        "late_ms": late,
-                        "compute_late_ms": compute_late,
-                        "start_gap_ms": gap_r,
-                        "others_start_gap_ms": gap_others,
-                    },
-                )
+            continue
+        out.append(
+            Finding(
+                mode=Mode.FABRIC_CONTENTION,
+                ranks=[r],
+                hosts=run.hosts_of([r]),
+                confidence=float(run.share[r]) * LATE_START_CONFIDENCE_FACTOR,
+                lost_step_fraction=run.lost_when(mask),
+                noise_floor_fraction=run.jitter_when(mask),
+                projection_basis="ranks",
+                evidence=(
+                    f"{head}, but its own work was normal (compute {compute_late:+.1f} ms, time between "
+                    f"steps {gap_late:+.1f} ms against the other ranks' median): it started each step "
+                    "late because its previous collective completed late on it, so its lateness comes "
+                    "from a slower network path, not from the rank"
+                ),
+                action=(
+                    "look at this rank's network path (link rate, switch port, oversubscribed uplink); "
+                    "the rank itself is healthy and must not be paced or replaced"
+                ),
+                details={**details, "start_gap_ms": gap_late},
             )
+        )
     return out
 
 
-def _straggler_action(run: RunStats) -> str:
+def _straggler_action(run: RunStats, bursty: bool = False) -> str:
     """What to do about a persistent compute straggler, given what rebalancing did in the run."""
     local = (
         "this rank's local work is slow: check its device (clocks, throttling, ECC), other processes "
         "on its host, its input; pacing the others cannot shorten its steps"
     )
+    if bursty:
+        local = (
+            "this rank's host is slow in bursts: check for a CPU quota or throttling (cgroup cpu.max, "
+            "thermal or power capping), a noisy neighbour, periodic work on that host; pacing the others "
+            "cannot shorten its steps"
+        )
     outcome = rebalance_outcome(run.a)
     if outcome is None:
         return (

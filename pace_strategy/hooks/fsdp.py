@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 # torch's FSDP2 with custom collectives; an ImportError here means a torch too old for paced FSDP.
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
@@ -31,9 +31,11 @@ from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.pacer import Pacer
 
 __all__ = [
+    "STEP_METHODS",
     "PacedAllGather",
     "PacedReduceScatter",
     "auto_shard",
+    "auto_shard_steps",
     "fsdp_modules",
     "register_paced_collectives",
     "unregister_paced_collectives",
@@ -211,3 +213,32 @@ def auto_shard(
         fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
     return [name for name, _ in chosen] + [""]
+
+
+#: the methods of a LightningModule that run its model in place of ``forward``
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def auto_shard_steps(
+    module: nn.Module,
+    mesh: Any | None = None,
+    *,
+    min_params: int = 100_000,
+    module_classes: Iterable[type[nn.Module]] = (),
+    methods: Iterable[str] = STEP_METHODS,
+) -> list[str]:
+    """:func:`auto_shard` a module that is trained through step methods rather than ``forward`` (a
+    LightningModule): ``module`` itself is the root group, and each of ``methods`` it has is
+    registered as an FSDP forward method, so the root gathers its parameters when a step runs.
+
+    A root group on a submodule (``self.net``) gathers only when *its* ``forward`` runs, and a
+    ``training_step`` that calls the layers one by one (``self.net[0](x)``) would meet sharded
+    parameters. With the LightningModule as root every parameter no block group took is the root's,
+    gathered for the whole step; the block groups gather in their own ``forward`` as usual. Returns
+    the qualified names of the groups, root last (``""``).
+    """
+    groups = auto_shard(module, mesh, min_params=min_params, module_classes=module_classes)
+    for name in methods:
+        if callable(getattr(module, name, None)):
+            register_fsdp_forward_method(module, name)
+    return groups

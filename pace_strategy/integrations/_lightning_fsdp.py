@@ -45,7 +45,8 @@ class FSDPStrategyView(Protocol):
 class FSDPSharding:
     """How ``paced_fsdp`` lays out FSDP2: pure data parallelism by default (data parallel size =
     world size, tensor parallel size 1) and, for a LightningModule whose ``configure_model`` did not
-    shard (or that has none), one :func:`~pace_strategy.auto_shard` per top-level submodule.
+    shard (or that has none), :func:`~pace_strategy.hooks.fsdp.auto_shard_steps` on the whole
+    LightningModule (its blocks by size, itself the root group, gathered for every step method).
 
     Args:
         strategy: the ``ModelParallelStrategy`` that holds this object.
@@ -97,30 +98,25 @@ class FSDPSharding:
             yield
 
     def _shard_if_needed(self, module: nn.Module) -> None:
-        """Shard each top-level submodule of the LightningModule with auto_shard, unless something
-        already is. The LightningModule itself is not sharded: ``training_step`` calls its
-        submodules, never its own ``forward``, so a group on it would never gather."""
-        from pace_strategy.hooks.fsdp import auto_shard, fsdp_modules
+        """Shard the LightningModule with :func:`~pace_strategy.hooks.fsdp.auto_shard_steps`, unless
+        something already is: its blocks become groups by the size rule, the LightningModule itself
+        the root group, gathered whenever one of its step methods runs. So a ``training_step`` that
+        calls submodules, or single layers of them, trains as under ``ddp``."""
+        from pace_strategy.hooks.fsdp import auto_shard_steps, fsdp_modules
 
         if fsdp_modules(module):
             return
-        if any(True for _ in module.parameters(recurse=False)):
+        if not any(True for _ in module.parameters()):
             raise PacingConfigError(
-                f"paced_fsdp cannot auto-shard {type(module).__name__}: it holds parameters directly. "
-                "Move them into a submodule, or shard the model yourself in configure_model "
-                "(fully_shard or pace_strategy.auto_shard)."
+                f"paced_fsdp cannot shard {type(module).__name__}: it has no parameters (build the model "
+                "in __init__ or in configure_model)."
             )
         mesh = self._strategy.device_mesh["data_parallel"]
-        groups: list[str] = []
-        for name, child in module.named_children():
-            if any(True for _ in child.parameters()):
-                chosen = auto_shard(
-                    child, mesh, min_params=self.min_params, module_classes=self.module_classes
-                )
-                groups += [f"{name}.{g}" if g else name for g in chosen]
-        self.groups = groups
+        self.groups = auto_shard_steps(
+            module, mesh, min_params=self.min_params, module_classes=self.module_classes
+        )
         if self._strategy.global_rank == 0:
-            log.info("pace_strategy: auto-sharded into %d FSDP groups: %s", len(groups), groups)
+            log.info("pace_strategy: auto-sharded into %d FSDP groups: %s", len(self.groups), self.groups)
 
 
 def _set_data_parallel_size(strategy: FSDPStrategyView, size: int) -> None:

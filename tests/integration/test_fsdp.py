@@ -14,7 +14,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 WARMUP = 5  # PacingConfig().warmup_steps
 # 3 hidden blocks of >= 16k parameters each become their own group; the output layer stays with
-# the root of the network: 4 groups.
+# the root, the LightningModule itself: 4 groups. The example module's training_step calls the layers
+# one by one (never self.net's forward), as many LightningModules do: the root gathers for the step.
 GROUPS = 4
 
 
