@@ -34,6 +34,7 @@ The two-node cases (``--node-ranks``, root only) run each arm on 2 emulated node
     python benchmarks/rebalance.py --reps 3     # 2, 4 ranks x 1, 1.5, 2; 4 on 2 nodes x 2 (~25 min)
     python benchmarks/rebalance.py --ranks 2 --factors 2 --reps 1     # a quick look
     python benchmarks/rebalance.py --ranks 2,4 --factors 1 --node-ranks "" --reps 8 --control
+    python benchmarks/rebalance.py --ranks 2 --factors 2 --node-ranks "" --phase backward   # slow in backward
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ def run_arm(work: Path, index: int, case: Case, kind: str, args: Any, fabric: te
     demo += ["--compute-ms", "0", "--sample-ms", str(args.sample_ms), "--batch-size", str(args.batch_size)]
     if case.factor > 1.0:
         demo += ["--slow-device", f"1:{case.factor:g}"]  # a global rank: node 0's local rank 1
+        demo += ["--straggler-phase", args.phase]  # where the slow rank's extra time goes
     quantum = ["--pacing", f"rebalance_quantum={args.quantum}"] if args.quantum else []
     if kind == "ddp":
         demo += ["--strategy", "ddp"]
@@ -158,6 +160,13 @@ def main() -> int:
     p.add_argument("--quantum", type=int, default=0, help="rebalance_quantum (0: the config default)")
     p.add_argument(
         "--control", action="store_true", help="clean cases: a third arm, monitoring alone (no rebalancing)"
+    )
+    p.add_argument(
+        "--phase",
+        default="step",
+        choices=("step", "backward", "forward_backward"),
+        help="where the slow rank's extra time goes: before the forward (step), inside backward after "
+        "the first hidden block (backward), or half in each",
     )
     p.add_argument("--data-path-batches", type=int, default=2000, help="batches per data-path epoch")
     p.add_argument("--out", default="benchmarks/results/rebalance.json")
@@ -244,7 +253,8 @@ def table(rows: list[dict[str, Any]], args: Any, data_path: dict[str, float]) ->
         f"{data_path['share_sampler_us']:.1f} us ({extra:+.1f} us per step).",
         "",
         f"Rebalancing vs plain DDP ({args.reps} alternating pairs of runs per case, {args.steps} steps, "
-        f"first {args.skip} left out; {args.sample_ms:g} ms emulated compute per sample, "
+        f"first {args.skip} left out; {args.sample_ms:g} ms emulated compute per sample, the slow rank's "
+        f"extra time in phase {args.phase!r}, "
         f"{args.batch_size} samples per rank at even shares, rebalance_quantum {args.quantum_used})",
         "",
         "| ranks | rank 1 per sample | ddp samples/s | rebalance samples/s | ratio (median; each pair) "

@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--straggler-phase",
         choices=PHASES,
         default="step",
-        help="where --straggler's time goes: step (before the forward; default), backward (inside "
-        "backward, at --inject-after), forward_backward (half in each)",
+        help="where the time of --straggler, --straggler-local and --slow-device goes: step (before the "
+        "forward; default), backward (inside backward, at --inject-after), forward_backward (half in each)",
     )
     p.add_argument(
         "--inject-after",

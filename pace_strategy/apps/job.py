@@ -32,11 +32,18 @@ GC_GARBAGE_LIFETIME_STEPS = 3
 
 def build_net(model: ModelRecipe) -> nn.Sequential:
     """``depth`` hidden blocks (Linear + ReLU, each its own submodule: an FSDP shard group when large
-    enough), then a Linear to ``classes``."""
+    enough), then a Linear to ``classes``. Block ``model.inject_after`` ends with an
+    :class:`~pace_strategy.testing.slow.InjectionPoint`, where a ``backward`` or ``forward_backward``
+    straggler spends its time (no parameters: the state dict's keys are the MLP's)."""
+    from pace_strategy.testing.slow import InjectionPoint
+
     layers: list[nn.Module] = []
     width_in = model.inputs
-    for _ in range(model.depth):
-        layers.append(nn.Sequential(nn.Linear(width_in, model.width), nn.ReLU()))
+    for index in range(1, model.depth + 1):
+        block: list[nn.Module] = [nn.Linear(width_in, model.width), nn.ReLU()]
+        if index == model.inject_after:
+            block.append(InjectionPoint())
+        layers.append(nn.Sequential(*block))
         width_in = model.width
     layers.append(nn.Linear(width_in, model.classes))
     return nn.Sequential(*layers)

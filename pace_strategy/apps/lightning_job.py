@@ -43,17 +43,13 @@ QUIET_TRAINER: dict[str, Any] = {
 class ExampleModule(L.LightningModule):
     """The MLP with SGD; each training step first sleeps ``compute_ms`` plus ``sample_ms`` per sample of
     its batch (stands in for accelerator time, so that two CPUs are not the bottleneck of a multi-rank
-    run; 0 for real compute only). The step runs the layers one by one, as many LightningModules do,
-    with an :class:`~pace_strategy.testing.slow.InjectionPoint` after hidden block
-    ``model.inject_after`` (no parameters: the weights and the state dict are the MLP's)."""
+    run; 0 for real compute only). The step runs the blocks one by one, as many LightningModules do
+    (never ``self.net``'s own ``forward``)."""
 
     def __init__(self, model: ModelRecipe) -> None:
         super().__init__()
-        from pace_strategy.testing.slow import InjectionPoint
-
         self.recipe = model
         self.net = build_net(model)
-        self.inject = InjectionPoint()
         self.gc_load: GcLoad | None = None
 
     @override
@@ -72,10 +68,8 @@ class ExampleModule(L.LightningModule):
         if self.gc_load is not None:
             self.gc_load.step()
         h = x
-        for index, layer in enumerate(self.net):
+        for layer in self.net:
             h = layer(h)
-            if index + 1 == self.recipe.inject_after:
-                h = self.inject(h)
         return nn.functional.cross_entropy(h, y)
 
     @override

@@ -327,6 +327,7 @@ def run_accelerate(recipe: TrainRecipe) -> int:
     from pace_strategy.apps.job import GcLoad, ProgressLine, build_net, make_dataset
     from pace_strategy.integrations.accelerate import attach_pacing
     from pace_strategy.testing import sleep_injected
+    from pace_strategy.testing.slow import arm_injection_points
 
     if recipe.framework != "accelerate":
         _fail("framework", recipe.framework, "accelerate for run_accelerate")
@@ -362,6 +363,7 @@ def run_accelerate(recipe: TrainRecipe) -> int:
     for x, y in loader:
         with accelerator.accumulate(model):
             sleep_injected(stragglers, rank, step)
+            arm_injection_points(model, tuple(stragglers), rank, step)
             if compute_s > 0:
                 time.sleep(compute_s)
             gc_load.step()

@@ -494,6 +494,7 @@ class Pacer:
         row[Field.GC_COLLECTIONS] = float(s.gc_collections)
         row[Field.SAMPLES] = float(s.samples)
         row[Field.GC_DUE] = s.gc_due
+        row[Field.OPT_MS] = el(s.done, s.end) if seen else 0.0
         return row
 
     def _decide(self, gathered: torch.Tensor) -> WindowResult:

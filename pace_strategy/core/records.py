@@ -37,6 +37,12 @@ class Field(enum.IntEnum):
     #: ``gc_sync``: how close this rank's collector is to the full collection it would have run by
     #: itself, at the step's end (>= 1: it would have collected; 0 while gc_sync is off)
     GC_DUE = 13
+    #: completion of the step's gradient collective -> the step's end (optimizer step, gradient
+    #: clipping, the framework's hooks): the rank's own work after its sync. The rest of the next
+    #: step's ``GAP_MS`` (``GAP_MS`` of step k+1 minus ``OPT_MS`` of step k) is the framework's loop
+    #: between steps, its input and any collective it runs there (Lightning broadcasts from rank 0
+    #: every step), which completes late on a rank behind a slower network path.
+    OPT_MS = 14
 
 
 NUM_FIELDS = len(Field)
@@ -114,3 +120,5 @@ class StepSummary:
     gc_ms: tuple[float, ...] = ()  #: per rank: time in the garbage collector during the step
     gc_collections: tuple[int, ...] = ()  #: per rank: collections during the step
     samples: tuple[int, ...] = ()  #: per rank: samples trained on (0: not known)
+    #: per rank: completion of the collective -> step end (optimizer step, the framework's hooks)
+    opt_ms: tuple[float, ...] = ()

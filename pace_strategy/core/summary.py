@@ -70,6 +70,7 @@ class StepSummarizer:
                     gc_ms=tuple(per_rank[Field.GC_MS][i]),
                     gc_collections=tuple(int(v) for v in per_rank[Field.GC_COLLECTIONS][i]),
                     samples=tuple(int(v) for v in per_rank[Field.SAMPLES][i]),
+                    opt_ms=tuple(per_rank[Field.OPT_MS][i]),
                 )
             )
         return tuple(out)

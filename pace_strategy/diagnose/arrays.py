@@ -27,7 +27,7 @@ RANK_AXIS = 1
 
 _RANK_FIELDS = ("wait_ms", "compute_ms", "delay_ms", "data_ms", "gap_ms", "step_ms")
 #: per-rank fields that later records add: loaded when every kept step has them, else left ``None``
-_OPTIONAL_RANK_FIELDS = ("gc_ms", "gc_collections", "samples")
+_OPTIONAL_RANK_FIELDS = ("gc_ms", "gc_collections", "samples", "opt_ms")
 
 
 @dataclass
@@ -53,6 +53,8 @@ class RunArrays:
     gc_collections: np.ndarray | None = None  #: [S, ranks] collections per step; None: not recorded
     #: [S, ranks] samples each rank trained on (0: not reported); None: not recorded
     samples: np.ndarray | None = None
+    #: [S, ranks] collective completion -> step end (optimizer step, hooks); None: not recorded
+    opt: np.ndarray | None = None
     shares: list[dict[str, Any]] = field(default_factory=list)  #: the record's ``shares`` lines
     hangs: list[dict[str, Any]] = field(default_factory=list)  #: the record's ``hang`` lines
     #: every attempt of an elastically restarted job whose record lies beside this one (this one
@@ -204,6 +206,7 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
         gc_ms=optional("gc_ms"),
         gc_collections=optional("gc_collections"),
         samples=optional("samples"),
+        opt=optional("opt_ms"),
         shares=shares,
         hangs=hangs,
         attempts=_attempts(
@@ -311,6 +314,8 @@ def load_timeline(records: Sequence[str | os.PathLike[str]]) -> RunArrays:
         decisions=[d for a in parts for d in a.decisions],
         gc_ms=cat_optional("gc_ms"),
         gc_collections=cat_optional("gc_collections"),
+        samples=cat_optional("samples"),
+        opt=cat_optional("opt"),
         hangs=[h for a in parts for h in a.hangs],
         attempts=[t for a in parts for t in a.attempts],
         segments=segments,

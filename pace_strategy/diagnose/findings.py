@@ -82,6 +82,11 @@ def diagnose(
             f"{a.end.get('local_steps', 0)} more were measured on rank 0 only (local_step lines, not "
             "diagnosed)"
         )
+    if int(a.header.get("version", 1)) < 2:
+        notes.append(
+            "this record is of schema version 1: a DDP rank's arrival was its first gradient, so the rest "
+            "of its backward counts as waiting here; a rank slow in backward looks on time in it"
+        )
     notes += timeline_notes(a)
     notes += [f"hang: {hang_text(h)}" for h in a.hangs]
     notes += _restart_notes(a)

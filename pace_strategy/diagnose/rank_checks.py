@@ -17,6 +17,7 @@ from pace_strategy.diagnose.run_stats import (
     MIN_PLACES,
     OVERSUBSCRIPTION_BASE_CONFIDENCE,
     OVERSUBSCRIPTION_SIGNAL_CONFIDENCE,
+    STEADY_MEDIAN_FRACTION,
     RunStats,
 )
 
@@ -160,18 +161,26 @@ def persistent_or_late_start(run: RunStats, explained: set[int]) -> list[Finding
         late_steps = run.late_ms([r], mask)
         weights = np.clip(late_steps, 0.0, None)
         compute_excess = (run.a.compute[:, r] - run.others_median(run.a.compute, [r]))[mask]
-        gap_excess = (run.a.gap[:, r] - run.others_median(run.a.gap, [r]))[mask]
+        own_excess = (run.own_between[:, r] - run.others_median(run.own_between, [r]))[mask]
+        loop_excess = (run.loop[:, r] - run.others_median(run.loop, [r]))[mask]
         loss_share = float(run.lost_per_step[mask].sum()) / total_lost if total_lost > 0 else 0.0
-        if run.share[r] >= cfg.persistent_share and float(np.median(late_steps)) >= noise:
-            tail = False
-            late = float(np.median(late_steps))
-            compute_late, gap_late = float(np.median(compute_excess)), float(np.median(gap_excess))
-        elif loss_share >= cfg.tail_loss_share and _weighted(late_steps, weights) >= noise:
-            tail = True  # late in the tail: measured where the time is lost, not at the median
-            late = _weighted(late_steps, weights)
-            compute_late, gap_late = _weighted(compute_excess, weights), _weighted(gap_excess, weights)
-        else:
+        median_late, weighted_late = float(np.median(late_steps)), _weighted(late_steps, weights)
+        steady = (
+            run.share[r] >= cfg.persistent_share
+            and median_late >= noise
+            and median_late >= STEADY_MEDIAN_FRACTION * weighted_late
+        )
+        tail = not steady and loss_share >= cfg.tail_loss_share and weighted_late >= noise
+        if not (steady or tail):
             continue
+        # Late by a steady amount: quoted at the median. Late in bursts: the wait-weighted mean over
+        # its late steps, where the time is lost (the median of such a rank is near zero).
+        late = median_late if steady else weighted_late
+        # What made it late, in the same weighting: per step the lateness is the sum of the excess
+        # compute, the excess own work and loop between steps, and the previous collective completing
+        # later on this rank, so the weighted means add up and say which part costs the time.
+        compute_late, own_late = _weighted(compute_excess, weights), _weighted(own_excess, weights)
+        loop_late = _weighted(loop_excess, weights)
         explained.add(r)
         how_late = (
             f"{late:.1f} ms late on average over those steps, weighted by the wait each caused (median "
@@ -185,17 +194,18 @@ def persistent_or_late_start(run: RunStats, explained: set[int]) -> list[Finding
         details = {
             "late_ms": late,
             "compute_late_ms": compute_late,
-            "between_steps_late_ms": gap_late,
+            "own_between_steps_late_ms": own_late,
+            "loop_late_ms": loop_late,
             "lost_share": loss_share,
             "measure": "weighted_mean" if tail else "median",
         }
         if compute_late >= cfg.compute_late_fraction * late:
             cause = f"its own compute took {compute_late:.1f} ms longer than the other ranks' median"
-        elif compute_late + gap_late >= cfg.compute_late_fraction * late:
+        elif compute_late + own_late >= cfg.compute_late_fraction * late:
             cause = (
-                f"its own work took longer: compute {compute_late:+.1f} ms and its time between steps "
-                f"(optimizer, input, framework: from its previous collective's completion to its next "
-                f"step's start) {gap_late:+.1f} ms against the other ranks' median"
+                f"its own work took longer: compute {compute_late:+.1f} ms and its own work between "
+                f"steps (its optimizer step and its input) {own_late:+.1f} ms against the other ranks' "
+                "median"
             )
         else:
             cause = ""
@@ -225,16 +235,18 @@ def persistent_or_late_start(run: RunStats, explained: set[int]) -> list[Finding
                 noise_floor_fraction=run.jitter_when(mask),
                 projection_basis="ranks",
                 evidence=(
-                    f"{head}, but its own work was normal (compute {compute_late:+.1f} ms, time between "
-                    f"steps {gap_late:+.1f} ms against the other ranks' median): it started each step "
-                    "late because its previous collective completed late on it, so its lateness comes "
-                    "from a slower network path, not from the rank"
+                    f"{head}, but its own work was normal (compute {compute_late:+.1f} ms, optimizer step "
+                    f"and input {own_late:+.1f} ms against the other ranks' median): it started each step "
+                    f"late, {loop_late:+.1f} ms in the framework's loop between steps, where the "
+                    "framework's own collectives run (Lightning broadcasts from rank 0 every step) and "
+                    "complete late on a rank behind a slower path; its lateness comes from the network, "
+                    "not from the rank"
                 ),
                 action=(
                     "look at this rank's network path (link rate, switch port, oversubscribed uplink); "
                     "the rank itself is healthy and must not be paced or replaced"
                 ),
-                details={**details, "start_gap_ms": gap_late},
+                details=details,
             )
         )
     return out

@@ -27,6 +27,7 @@ __all__ = [
     "OVERSUBSCRIPTION_BASE_CONFIDENCE",
     "OVERSUBSCRIPTION_SIGNAL_CONFIDENCE",
     "SKEW_TAIL_PERCENTILE",
+    "STEADY_MEDIAN_FRACTION",
     "TRANSFER_FLOOR_PERCENTILE",
     "TRANSFER_TAIL_PERCENTILE",
     "UNEXPLAINED_CONFIDENCE",
@@ -76,6 +77,10 @@ GROWTH_SEED = 0
 
 EPSILON = 1e-9  #: keeps ratios finite where a denominator (ms or share) is zero
 
+#: a straggler whose median lateness is at least this fraction of its wait-weighted mean lateness is
+#: late by a steady amount (quoted at the median); below it, it is late in bursts (quoted weighted)
+STEADY_MEDIAN_FRACTION = 0.5
+
 
 class RunStats:
     """Derived per-step quantities shared by the checks."""
@@ -110,6 +115,19 @@ class RunStats:
         #: a network or device links between the ranks (several hosts, or accelerators)
         self.has_fabric = len(set(self.hosts)) >= MIN_PLACES or any(not d.startswith("cpu") for d in devices)
         self.notes: list[str] = []  #: what the checks observed but do not report as findings
+        # The gap before step k (its previous collective's completion to its start) holds the rank's
+        # optimizer step of step k-1 (``opt``, where recorded) and its input (``data``), its own work,
+        # and the framework's loop between steps, where a framework may run a collective of its own
+        # (Lightning broadcasts from rank 0 every step): the one part a slower network path can make
+        # late. Records without ``opt_ms`` count the whole gap beyond the input as that loop.
+        if a.opt is not None and self.S:
+            opt_prev = np.vstack([a.opt[:1], a.opt[:-1]])
+        else:
+            opt_prev = np.zeros_like(a.gap)
+        #: [S, ranks] the rank's own work between steps: its previous optimizer step and its input
+        self.own_between = opt_prev + a.data
+        #: [S, ranks] the rest of the gap: the framework's loop between steps and its collectives
+        self.loop = np.clip(a.gap - self.own_between, 0.0, None)
 
     def others_median(self, x: np.ndarray, ranks: list[int]) -> np.ndarray:
         """Per step, the median of ``x`` over the ranks not in ``ranks``."""

@@ -129,6 +129,7 @@ def step_line(s: StepSummary) -> dict[str, Any]:
         "gc_ms": _cleans(s.gc_ms),
         "gc_collections": list(s.gc_collections),
         "samples": list(s.samples),
+        "opt_ms": _cleans(s.opt_ms),
     }
     line["ranks"].update((key, values) for key, values in optional.items() if values)
     return line
@@ -509,7 +510,7 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 }
 _RANK_FIELDS = ("lead_ms", "compute_ms", "wait_ms", "delay_ms", "step_ms", "data_ms", "gap_ms")
 #: per-rank step fields added in later versions: checked when present (older records lack them)
-_OPTIONAL_RANK_FIELDS = ("gc_ms", "gc_collections", "samples")
+_OPTIONAL_RANK_FIELDS = ("gc_ms", "gc_collections", "samples", "opt_ms")
 _TYPE_WORDS = {int: "an integer", bool: "true or false", str: "a string", dict: "an object", list: "a list"}
 
 

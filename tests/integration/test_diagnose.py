@@ -45,6 +45,32 @@ def test_persistent_straggler(tmp_path):
         assert Path(result["report"][plot]).stat().st_size > 1000
 
 
+@pytest.mark.parametrize("inject_after", [1, 2])
+def test_a_rank_slow_in_backward_is_a_persistent_straggler_late_by_its_delay(tmp_path, inject_after):
+    """Real compute (no sleep before the forward), rank 1's backward 16 ms longer after hidden block 1
+    (the end of backward) or 2 (just after the first gradients): the first gradient is on time, the
+    arrival is not. A first-gradient arrival read this run as healthy."""
+    run = record(
+        tmp_path, "backward", "--devices", "2", "--steps", "60", "--compute-ms", "0", "--straggler", "1:16",
+        "--straggler-phase", "backward", "--inject-after", str(inject_after),
+    )  # fmt: skip
+    top = diagnose_json(run)["findings"][0]
+    assert top["mode"] == "persistent_straggler" and top["ranks"] == [1], top
+    assert abs(top["details"]["late_ms"] - 16.0) <= 1.6, top["details"]  # within 10% of the injection
+    assert top["details"]["compute_late_ms"] >= 0.9 * 16.0, top["details"]  # its own compute
+
+
+def test_a_rank_slow_in_forward_and_backward_by_real_cpu_work(tmp_path):
+    """Rank 1 does 24 ms more CPU work per step, half in its forward and half in its backward."""
+    run = record(
+        tmp_path, "spin", "--devices", "2", "--steps", "60", "--compute-ms", "0", "--straggler", "1:24",
+        "--straggler-phase", "forward_backward", "--spin",
+    )  # fmt: skip
+    top = diagnose_json(run)["findings"][0]
+    assert top["mode"] == "persistent_straggler" and top["ranks"] == [1], top
+    assert abs(top["details"]["late_ms"] - 24.0) <= 2.4, top["details"]
+
+
 def test_transient_stragglers_are_sync_amplification(tmp_path):
     # two ranks: with more ranks than this machine's two cores the host is oversubscribed, which
     # takes precedence (see test_more_ranks_than_cores_is_host_oversubscription)
@@ -212,6 +238,9 @@ def test_rate_limited_uplink_is_fabric_contention(tmp_path):
     assert modes(result)[0] == "fabric_contention", result["findings"]
     late = [f for f in result["findings"] if f["mode"] == "fabric_contention" and f["ranks"] == [1]]
     assert late, result["findings"]
-    assert late[0]["hosts"] == ["rack-b"] and "compute was normal" in late[0]["evidence"]
-    assert late[0]["details"]["start_gap_ms"] > late[0]["details"]["others_start_gap_ms"] + 10.0
+    assert late[0]["hosts"] == ["rack-b"] and "own work was normal" in late[0]["evidence"]
+    # the late start is in the framework's loop between steps (Lightning's per-step broadcast from
+    # rank 0 completes late behind the slow egress), not in its own optimizer step or input
+    details = late[0]["details"]
+    assert details["loop_late_ms"] > 10.0 and abs(details["own_between_steps_late_ms"]) < 2.0, details
     assert "persistent_straggler" not in modes(result)
