@@ -2,16 +2,20 @@
 
 Not a test; prints what it measured. Records real multi-process CPU runs (`pace demo`, gloo, paced_ddp
 with its default settings, no injected straggler) at 2, 3 and 4 ranks x emulated compute of 5, 12, 30
-and 60 ms per step x seeds, diagnoses each, and counts the runs that read anything but `healthy`.
+and 60 ms per step (a sleep before the forward) and x real compute only (the MLP at width 256, 32
+samples per rank, and width 1024, 128 samples: no sleep at all) x seeds, diagnoses each, and counts
+the runs that read anything but `healthy`.
 On a machine with fewer cores than ranks (3-4 ranks on this project's 2 cores, one intra-op thread
 each) a clean run is oversubscribed, and `host_oversubscription` is then the right reading: those
 runs are counted apart (named / any other finding). Then the injected scenarios, which must still be
 named (first, with the right ranks; any unexpected extra finding is listed): a persistent straggler,
-a slow data loader, rotating transient stragglers, a slow local rank on two "nodes" (locality), and
-a persistent straggler on an oversubscribed host.
+a slow data loader, rotating transient stragglers, a slow local rank on two "nodes" (locality), a
+persistent straggler on an oversubscribed host, and with real compute only: a rank slow in its
+backward (a sleep at the injection point after the first block) and one doing real CPU work in its
+forward and backward.
 
     python benchmarks/diagnose_false_alarms.py [--seeds 0,1,2] [--ranks 2,3,4] [--steps 120]
-        [--root DIR] [--reuse] [--no-injected]
+        [--clean emulated,real] [--root DIR] [--reuse] [--no-injected]
 
 ``--seed`` seeds the demo's model and data; the timing noise of a real run is not seeded, which is
 what repeating a configuration measures. ``--reuse`` diagnoses the runs already recorded under
@@ -39,6 +43,8 @@ from pace_strategy.diagnose.hosts import host_loads
 from pace_strategy.settings import load_mapping
 
 COMPUTE_MS = (5, 12, 30, 60)
+#: real-compute clean runs: (MLP width, samples per rank), no emulated compute
+REAL_MODELS = ((256, 32), (1024, 128))
 
 
 @dataclass(frozen=True)
@@ -52,6 +58,11 @@ class Scenario:
     expect_ranks: tuple[int, ...] = ()  #: and the ranks it must name (empty: any)
     seed: int = 0
     extra_ok: tuple[str, ...] = field(default=())  #: other modes expected beside it (not listed as extra)
+    workload: str = ""  #: the clean runs' table row label ("": the emulated compute per step)
+
+    @property
+    def label(self) -> str:
+        return self.workload or f"{self.compute_ms:g}ms"
 
 
 def _free_port() -> int:
@@ -129,8 +140,27 @@ def read(run_dir: Path, cfg: DiagnosisConfig) -> dict[str, Any]:
     }
 
 
-def clean_scenarios(seeds: list[int], ranks: list[int]) -> list[Scenario]:
-    return [Scenario(f"clean-r{r}-c{c}-s{s}", r, c, seed=s) for r in ranks for c in COMPUTE_MS for s in seeds]
+def clean_scenarios(seeds: list[int], ranks: list[int], kinds: list[str]) -> list[Scenario]:
+    out = []
+    if "emulated" in kinds:
+        out += [
+            Scenario(f"clean-r{r}-c{c}-s{s}", r, c, seed=s) for r in ranks for c in COMPUTE_MS for s in seeds
+        ]
+    if "real" in kinds:
+        out += [
+            Scenario(
+                f"clean-real-r{r}-h{h}-b{b}-s{s}",
+                r,
+                0,
+                ("--hidden", str(h), "--batch-size", str(b)),
+                seed=s,
+                workload=f"real h{h} b{b}",
+            )
+            for r in ranks
+            for h, b in REAL_MODELS
+            for s in seeds
+        ]
+    return out
 
 
 def injected_scenarios() -> list[Scenario]:
@@ -159,6 +189,22 @@ def injected_scenarios() -> list[Scenario]:
             expect_ranks=(2,),
             extra_ok=("host_oversubscription",),
         ),
+        Scenario(
+            "backward-real-r2",
+            2,
+            0,
+            ("--straggler", "1:16", "--straggler-phase", "backward"),
+            expect="persistent_straggler",
+            expect_ranks=(1,),
+        ),
+        Scenario(
+            "cpu-fwd-bwd-real-r2",
+            2,
+            0,
+            ("--straggler", "1:24", "--straggler-phase", "forward_backward", "--spin"),
+            expect="persistent_straggler",
+            expect_ranks=(1,),
+        ),
     ]
 
 
@@ -167,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--ranks", default="2,3,4", help="rank counts of the clean runs")
     p.add_argument("--no-injected", action="store_true", help="only the clean runs")
+    p.add_argument(
+        "--clean", default="emulated,real", help="clean workloads: emulated, real (comma-separated)"
+    )
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--root", default="/tmp/pace_false_alarms")
     p.add_argument("--reuse", action="store_true", help="only diagnose runs already recorded under --root")
@@ -179,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
     ranks = [int(r) for r in args.ranks.split(",") if r]
-    scenarios = clean_scenarios(seeds, ranks) + ([] if args.no_injected else injected_scenarios())
+    kinds = [k for k in args.clean.split(",") if k]
+    scenarios = clean_scenarios(seeds, ranks, kinds) + ([] if args.no_injected else injected_scenarios())
     for sc in scenarios:
         if args.reuse and not list((root / sc.name).glob("version_*/pace_run.jsonl")):
             continue
@@ -201,14 +251,17 @@ def main(argv: list[str] | None = None) -> int:
 def table(results: dict[str, dict[str, Any]], steps: int) -> str:
     lines = [
         f"clean runs ({steps} steps each, paced_ddp defaults):",
-        f"{'ranks':>5} {'compute':>8} {'step p50':>9} {'crowded':>8} {'readings':<46} {'false alarms':>12}",
+        f"{'ranks':>5} {'compute':>14} {'step p50':>9} {'crowded':>8} {'readings':<46} {'false alarms':>12}",
     ]
     clean = {k: v for k, v in results.items() if k.startswith("clean-")}
     totals = Counter[str]()
+    labels = list(dict.fromkeys(Scenario(**v["scenario"]).label for v in clean.values()))
     for r in sorted({v["scenario"]["ranks"] for v in clean.values()}):
-        for c in COMPUTE_MS:
+        for c in labels:
             runs = [
-                v for v in clean.values() if v["scenario"]["ranks"] == r and v["scenario"]["compute_ms"] == c
+                v
+                for v in clean.values()
+                if v["scenario"]["ranks"] == r and Scenario(**v["scenario"]).label == c
             ]
             if not runs:
                 continue
@@ -223,7 +276,7 @@ def table(results: dict[str, dict[str, Any]], steps: int) -> str:
                 totals["crowded_named"] += sum("host_oversubscription" in v["modes"] for v in runs)
             step = sorted(v["step_ms"] for v in runs)[len(runs) // 2]
             lines.append(
-                f"{r:>5} {c:>6g}ms {step:>7.1f}ms {'yes' if crowded else 'no':>8} "
+                f"{r:>5} {c:>14} {step:>7.1f}ms {'yes' if crowded else 'no':>8} "
                 f"{', '.join(f'{m} {n}' for m, n in readings.most_common()):<46} "
                 f"{alarms:>5} of {len(runs):<3}"
             )

@@ -34,7 +34,8 @@ class Calibration:
     base_ms: float  #: median compute of the median rank
     offsets_ms: np.ndarray  #: [ranks] each rank's persistent offset from base
     common_ms: np.ndarray  #: [steps] per-step component shared by all ranks
-    residual_ms: np.ndarray  #: [steps * ranks] idiosyncratic residuals (pooled)
+    #: [steps, ranks] idiosyncratic residuals, each rank's own: a rank slow in bursts keeps its tail
+    residual_ms: np.ndarray
     transfer_ms: np.ndarray  #: [steps] measured transfer time (minimum wait)
     other_ms: np.ndarray  #: [steps] step time not explained by compute and transfer
     slow_threshold_ms: float  #: offsets above this count as persistent stragglers
@@ -79,7 +80,7 @@ def fit(a: RunArrays) -> Calibration:
     offsets = per_rank - base
     e = c - per_rank[None, :]
     common = np.median(e, axis=1)
-    residual = (e - common[:, None]).ravel()
+    residual = e - common[:, None]
     transfer = glossary.transfer_ms(a.wait, RANK_AXIS)
     other = np.clip(a.step_ms - c.max(axis=1) - transfer, 0.0, None)
     mad = float(np.median(np.abs(offsets - np.median(offsets)))) * 1.4826
@@ -117,11 +118,17 @@ def _draws(
 ) -> Callable[[int, int], WindowDraws]:
     rng0 = np.random.default_rng([seed, ranks, 7])
     source = cal.offsets_ms.copy()
+    # whose residuals each recorded rank's stand-in draws: its own, so a rank slow in bursts stays so
+    behaves_like = np.arange(cal.ranks)
     fixed = sorted({int(r) for r in fixed_ranks})
     if fixed and len(fixed) < cal.ranks:  # what-if: these recorded ranks behave like the others
-        source[fixed] = float(np.median(np.delete(source, fixed)))
+        others = np.delete(np.arange(cal.ranks), fixed)
+        source[fixed] = float(np.median(source[others]))
+        behaves_like[fixed] = rng0.choice(others, size=len(fixed), replace=True)
     # at another size, ranks are drawn from the recorded ones: a slow rank stays as common as it was
-    offsets = source if ranks == cal.ranks else source[rng0.choice(cal.ranks, size=ranks, replace=True)]
+    drawn = np.arange(cal.ranks) if ranks == cal.ranks else rng0.choice(cal.ranks, size=ranks, replace=True)
+    offsets = source[drawn]
+    residual_of = behaves_like[drawn]
     if remove_stragglers:
         offsets = np.minimum(offsets, cal.slow_threshold_ms)
         offsets[offsets >= cal.slow_threshold_ms] = 0.0
@@ -131,7 +138,8 @@ def _draws(
         rng = np.random.default_rng([seed, ranks, window])
         s = rng.integers(0, cal.steps, k)
         compute = cal.base_ms + offsets[None, :] + cal.common_ms[s][:, None]
-        compute = compute + rng.choice(cal.residual_ms, size=(k, ranks), replace=True)
+        rows = rng.integers(0, cal.residual_ms.shape[0], size=(k, ranks))
+        compute = compute + cal.residual_ms[rows, residual_of[None, :]]
         return WindowDraws(
             compute_ms=np.clip(compute, 0.0, None),
             collective_ms=cal.transfer_ms[s] * ring * transfer_factor,

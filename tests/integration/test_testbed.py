@@ -232,3 +232,32 @@ def test_a_slow_port_in_a_four_node_ring_is_blamed_on_the_fabric_and_never_paced
     found = [f["mode"] for f in diagnose_json(run_dir)["findings"]]
     assert found[0] == "fabric_contention", found
     assert "locality" not in found and "persistent_straggler" not in found, found
+
+
+def test_a_node_under_a_cpu_quota_is_its_own_bursty_straggler(tmp_path):
+    """Two nodes, one rank each, real compute only (an MLP of width 1024, no sleeps); node 1's rank
+    runs under half a CPU (cgroup quota): normal at the median, far slower in the steps the quota
+    throttles. The diagnosis must name that rank and its host as a slow host, by the time its late
+    steps cost (not by its median), never as the network."""
+    from pace_strategy.telemetry import read_run_record
+
+    _require_root()
+    prefix = _prefix()
+    spec = testbed.FabricSpec(nodes=2, racks=1, uplink_mbit=10000, cpu_quota={1: 0.5}, prefix=prefix)
+    args = ["--devices", "1", "--steps", "150", "--compute-ms", "0", "--hidden", "1024"]
+    args += ["--batch-size", "128", "--straggler", "", "--quiet", "--no-diagnosis"]
+    args += ["--root", str(tmp_path), "--name", "quota", "--pacing", "mode=monitor"]
+    args += ["--pacing", "exchange_every_steps=8"]
+    with testbed.running(spec) as fabric:
+        outs = testbed.run_on_nodes(fabric, args, port=29530 + os.getpid() % 400, timeout_s=240)
+    assert all(o.returncode == 0 for o in outs), [o.stderr[-2000:] for o in outs]
+    (run_dir,) = (tmp_path / "quota").glob("version_*")
+    host = read_run_record(run_dir).header["topology"][1]["host"]
+    findings = diagnose_json(run_dir)["findings"]
+    top = findings[0]
+    assert top["mode"] == "persistent_straggler" and top["ranks"] == [1], findings
+    assert top["hosts"] == [host] and f"host {host}" in top["evidence"], top
+    assert top["details"]["lost_share"] >= 0.7 and top["details"]["measure"] == "weighted_mean", top
+    # its own compute is what made it late
+    assert top["details"]["compute_late_ms"] >= 0.5 * top["details"]["late_ms"], top["details"]
+    assert not any(f["mode"] == "fabric_contention" and 1 in f["ranks"] for f in findings), findings
