@@ -31,10 +31,16 @@ is monitoring.
 The two-node cases (``--node-ranks``, root only) run each arm on 2 emulated nodes of the test bed
 (network namespaces on one bridge), rank 1 being node 0's second local rank.
 
+The CPU-quota cases (``--quota-ranks``, root only) are real compute only: no emulated time at all,
+the MLP at width ``--quota-hidden``, one node of 2 under a cgroup CPU quota of ``--quota`` CPUs (a
+throttled or shared host: slow in bursts, normal at the median). Their "per sample" column reads the
+quota; the theory column does not apply.
+
     python benchmarks/rebalance.py --reps 3     # 2, 4 ranks x 1, 1.5, 2; 4 on 2 nodes x 2 (~25 min)
     python benchmarks/rebalance.py --ranks 2 --factors 2 --reps 1     # a quick look
     python benchmarks/rebalance.py --ranks 2,4 --factors 1 --node-ranks "" --reps 8 --control
     python benchmarks/rebalance.py --ranks 2 --factors 2 --node-ranks "" --phase backward   # slow in backward
+    python benchmarks/rebalance.py --ranks "" --node-ranks "" --quota-ranks 2 --reps 3     # a CPU quota
 """
 
 from __future__ import annotations
@@ -107,6 +113,7 @@ class Case:
     ranks: int  #: world size
     nodes: int  #: 1: every rank on loopback; 2: one emulated node per half of the ranks (test bed)
     factor: float  #: rank 1's per-sample slowdown (1: clean)
+    quota: float = 0.0  #: CPUs node 1 may use (0: no quota); real compute only
 
     @property
     def label(self) -> str:
@@ -117,6 +124,8 @@ def run_arm(work: Path, index: int, case: Case, kind: str, args: Any, fabric: te
     """One run of arm ``kind`` (one of ARMS)."""
     demo = ["--devices", str(case.ranks // case.nodes), "--steps", str(args.steps), "--straggler", ""]
     demo += ["--compute-ms", "0", "--sample-ms", str(args.sample_ms), "--batch-size", str(args.batch_size)]
+    if case.quota:  # real compute only: the quota alone makes node 1 slow
+        demo += ["--sample-ms", "0", "--hidden", str(args.quota_hidden)]
     if case.factor > 1.0:
         demo += ["--slow-device", f"1:{case.factor:g}"]  # a global rank: node 0's local rank 1
         demo += ["--straggler-phase", args.phase]  # where the slow rank's extra time goes
@@ -140,6 +149,7 @@ def cases(args: Any) -> list[Case]:
         if r
         for f in args.node_factors.split(",")
     ]
+    two_node += [Case(int(r), 2, 1.0, args.quota) for r in args.quota_ranks.split(",") if r]
     if two_node and os.geteuid() != 0:
         print("skipping the two-node cases: the test bed (network namespaces) needs root", flush=True)
         return out
@@ -152,6 +162,9 @@ def main() -> int:
     p.add_argument("--factors", default="1,1.5,2", help="per-sample slowdown of rank 1 (1: clean)")
     p.add_argument("--node-ranks", default="4", help="world sizes on 2 emulated nodes ('' for none)")
     p.add_argument("--node-factors", default="2", help="rank 1's slowdown in the two-node cases")
+    p.add_argument("--quota-ranks", default="", help="world sizes on 2 nodes, node 1 under a CPU quota")
+    p.add_argument("--quota", type=float, default=0.5, help="CPUs node 1 may use in the quota cases")
+    p.add_argument("--quota-hidden", type=int, default=1024, help="MLP width in the quota cases")
     p.add_argument("--reps", type=int, default=2, help="repetitions of each arm pair")
     p.add_argument("--steps", type=int, default=128, help="optimizer steps per run")
     p.add_argument("--skip", type=int, default=64, help="steps left out at the start (decision + trial)")
@@ -179,7 +192,12 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work, index = Path(tmp), 0
         for case in cases(args):
-            spec = testbed.FabricSpec(nodes=case.nodes, racks=1, prefix="pace-rb") if case.nodes > 1 else None
+            quota = {1: case.quota} if case.quota else {}
+            spec = (
+                testbed.FabricSpec(nodes=case.nodes, racks=1, prefix="pace-rb", cpu_quota=quota)
+                if case.nodes > 1
+                else None
+            )
             with testbed.running(spec) if spec is not None else contextlib.nullcontext(None) as fabric:
                 arms: dict[str, list[Arm]] = {kind: [] for kind in ARMS}
                 kinds = ARMS if args.control and case.factor == 1.0 else ARMS[:2]
@@ -227,6 +245,7 @@ def case_row(case: Case, args: Any, base: list[Arm], cand: list[Arm], control: l
         "ranks": case.ranks,
         "nodes": case.nodes,
         "factor": case.factor,
+        "quota": case.quota,
         "ddp_samples_per_s": base_sps,
         "rebalance_samples_per_s": cand_sps,
         "ratio_median": statistics.median(ratios),
@@ -238,7 +257,9 @@ def case_row(case: Case, args: Any, base: list[Arm], cand: list[Arm], control: l
         "ddp_of_capacity": base_sps / capacity,
         "rebalance_of_capacity": cand_sps / capacity,
         "rebalance_of_attainable": cand_sps / attainable,
-        "theory_ddp_of_capacity": case.ranks / (case.factor * (case.ranks - 1 + 1 / case.factor)),
+        "theory_ddp_of_capacity": (
+            float("nan") if case.quota else case.ranks / (case.factor * (case.ranks - 1 + 1 / case.factor))
+        ),
         "final_shares": [list(a.phases[-1].shares) for a in cand if a.phases],
         "rebalance_over_monitor": [c.samples_per_s / m.samples_per_s for c, m in paired(cand)],
         "monitor_over_ddp": [m.samples_per_s / b.samples_per_s for b, m in paired(base)],
@@ -265,8 +286,9 @@ def table(rows: list[dict[str, Any]], args: Any, data_path: dict[str, float]) ->
     for r in rows:
         each = ", ".join(f"{x:.3f}" for x in r["ratios"])
         label = f"{r['ranks']}" if r["nodes"] == 1 else f"{r['ranks']} on {r['nodes']} nodes"
+        slow = f"quota {r['quota']:g} CPU" if r.get("quota") else f"{r['factor']:g}x"
         lines.append(
-            f"| {label} | {r['factor']:g}x | {r['ddp_samples_per_s']:.0f} | "
+            f"| {label} | {slow} | {r['ddp_samples_per_s']:.0f} | "
             f"{r['rebalance_samples_per_s']:.0f} | {r['ratio_median']:.3f} ({each}) | "
             f"{r['capacity_per_s']:.0f} | {r['best_split_bound_per_s']:.0f} | "
             f"{r['attainable_per_s']:.0f} ({r['outside_compute_ms']:.1f} ms) | "

@@ -4,9 +4,11 @@ Run it as ``pace demo`` (or ``python -m pace_strategy.apps.demo``). It is the bu
 :mod:`pace_strategy.apps.recipes` plus the command line's overrides: each rank trains the example MLP
 on seeded random data; ``--compute-ms`` adds a sleep to every step to stand in for accelerator time
 (it keeps the two CPUs of a small machine from being the bottleneck); ``--straggler RANK:MS`` slows one
-rank down. ``--scenario NAME`` starts from a preset of these options (:data:`SCENARIOS`; options
+rank down, by default inside its backward (``--straggler-phase``), where a real model's slow rank
+loses its time. ``--scenario NAME`` starts from a preset of these options (:data:`SCENARIOS`; options
 given on the command line still win): ``slow-device`` is one rank twice as slow per sample with
-rebalancing on, and reports the shares and samples/s before and after.
+rebalancing on, and reports the shares and samples/s before and after; ``slow-backward`` is real
+compute only (no sleep before the forward) with one rank slow in its backward.
 """
 
 from __future__ import annotations
@@ -48,6 +50,17 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "name": "slow-device",
         "pacing": ["rebalance=true", "exchange_every_steps=8"],
     },
+    # Real compute only: the MLP's own forward and backward, no emulated time; rank 1's backward
+    # takes 16 ms longer after its first block, so its first gradient is on time and its arrival is
+    # not (the case a first-gradient arrival read as healthy).
+    "slow-backward": {
+        "devices": 2,
+        "steps": 120,
+        "compute_ms": 0.0,
+        "straggler": "1:16",
+        "straggler_phase": "backward",
+        "name": "slow-backward",
+    },
 }
 
 
@@ -74,9 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--straggler-phase",
         choices=PHASES,
-        default="step",
-        help="where the time of --straggler, --straggler-local and --slow-device goes: step (before the "
-        "forward; default), backward (inside backward, at --inject-after), forward_backward (half in each)",
+        default="backward",
+        help="where the time of --straggler, --straggler-local and --slow-device goes: step (a sleep "
+        "before the forward), backward (inside backward, after hidden block --inject-after; default), "
+        "forward_backward (half in each)",
     )
     p.add_argument(
         "--inject-after",
@@ -90,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--scenario",
         choices=sorted(SCENARIOS),
         default=None,
-        help="start from a preset (slow-device: one rank 2x slower per sample, rebalancing on)",
+        help="start from a preset (slow-device: one rank 2x slower per sample, rebalancing on; "
+        "slow-backward: real compute, one rank slow in its backward)",
     )
     p.add_argument(
         "--sample-ms", type=float, default=0.0, help="emulated accelerator time per sample (sleep)"

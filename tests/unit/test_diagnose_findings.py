@@ -339,3 +339,42 @@ def test_new_config_fields_are_validated():
         DiagnosisConfig(projection_steps=0)
     with pytest.raises(PacingConfigError, match="busy_threads_per_core"):
         DiagnosisConfig(busy_threads_per_core=0.0)
+
+
+def arrays_with_gaps(compute, gap, opt):
+    """Each rank arrives at its gap (previous completion -> start) plus its compute; ``opt`` is its own
+    optimizer step, the first part of the next step's gap."""
+    a = arrays(compute, gap=gap)
+    arrival = a.gap + a.compute
+    a.wait = arrival.max(axis=1, keepdims=True) - arrival + 5.0
+    a.opt = np.asarray(opt, dtype=np.float64)
+    return a
+
+
+def test_a_rank_slow_in_bursts_is_named_by_the_time_its_late_steps_cost():
+    c = 40.0 + rng.normal(0, 0.3, (400, 4))
+    bursts = rng.random(400) < 0.15
+    c[bursts, 2] += 40.0  # normal at the median, 40 ms late in 15% of steps
+    d = diagnose(arrays(c))
+    (f,) = [f for f in d.findings if f.mode == "persistent_straggler"]
+    assert f.ranks == [2] and f.details["measure"] == "weighted_mean", d.findings
+    assert f.details["lost_share"] >= 0.7 and abs(f.details["late_ms"] - 40.0) < 4.0, f.details
+    assert "weighted by the wait each caused" in f.evidence
+
+
+def test_a_late_start_in_the_frameworks_loop_is_the_network_and_in_its_optimizer_the_rank():
+    c = 40.0 + rng.normal(0, 0.3, (200, 2))
+    gap = 2.0 + rng.normal(0, 0.1, (200, 2))
+    opt = np.full((200, 2), 1.0)
+    loop = gap.copy()
+    loop[:, 1] += 20.0  # rank 1 starts 20 ms late between steps, its optimizer step normal
+    top = diagnose(arrays_with_gaps(c, loop, opt)).findings[0]
+    assert top.mode == "fabric_contention" and top.ranks == [1], top
+    assert top.details["loop_late_ms"] > 15.0 and abs(top.details["own_between_steps_late_ms"]) < 1.0
+    slow_opt = opt.copy()
+    slow_opt[:, 1] += 20.0  # rank 1's own optimizer step is 20 ms longer: the next gap holds it
+    own = gap.copy()
+    own[:, 1] += 20.0
+    top = diagnose(arrays_with_gaps(c, own, slow_opt)).findings[0]
+    assert top.mode == "persistent_straggler" and top.ranks == [1], top
+    assert "optimizer step and its input" in top.evidence and top.details["own_between_steps_late_ms"] > 15.0

@@ -30,3 +30,46 @@ def test_parse_and_sum():
         parse_stragglers("1")
     with pytest.raises(PacingConfigError):
         Straggler(rank=0, delay_ms=-1.0)
+
+
+def test_a_straggler_phase_must_be_known():
+    with pytest.raises(PacingConfigError, match="phase='middle'"):
+        Straggler(rank=0, delay_ms=1.0, phase="middle")
+
+
+def test_the_injection_point_spends_its_backward_time_between_the_layers_gradients():
+    import time
+
+    import torch
+
+    from pace_strategy.testing import InjectionPoint, arm_injection_points
+
+    point = InjectionPoint()
+    first, last = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    model = torch.nn.Sequential(first, point, torch.nn.ReLU(), last)
+    ready: dict[str, float] = {}
+
+    def noting(name: str):
+        def hook(param: torch.Tensor) -> None:
+            ready.setdefault(name, time.perf_counter())
+
+        return hook
+
+    last.weight.register_post_accumulate_grad_hook(noting("last"))
+    first.weight.register_post_accumulate_grad_hook(noting("first"))
+    slow = (Straggler(rank=1, delay_ms=30.0, phase="backward"),)
+    assert arm_injection_points(model, slow, rank=0, step=0) == 0.0  # another rank: not armed
+    assert arm_injection_points(model, slow, rank=1, step=0) == 30.0
+    started = time.perf_counter()
+    loss = model(torch.ones(2, 4)).sum()
+    forward_s = time.perf_counter() - started
+    loss.backward()
+    assert forward_s < 0.02  # a backward straggler spends nothing in the forward
+    # the layers above the point have their gradients before the delay, the first layer after it
+    assert ready["first"] - ready["last"] >= 0.029
+    assert point.spent_ms == 30.0
+    ready.clear()
+    model(torch.ones(2, 4)).sum().backward()  # armed once: the next step runs at full speed
+    assert ready["first"] - ready["last"] < 0.02
+    with pytest.raises(ValueError, match="needs an InjectionPoint"):
+        arm_injection_points(torch.nn.Linear(2, 2), slow, rank=1, step=0)
