@@ -1,7 +1,10 @@
 """What pacing does here: plain ``ddp`` vs ``paced_ddp`` (adaptive), interleaved, per scenario.
 
 Not a test: it prints what it measured. Each scenario runs the demo's model and data on CPU ranks
-(gloo over loopback) with a seeded injection, as pairs A B, B A, A B, ... so slow drifts of the
+(gloo over loopback) with a seeded injection (a straggler's time is spent in its backward, the
+demo's default phase; the ``real-*`` scenarios have no emulated compute at all, only the MLP's own,
+and ``real-quota@2`` slows a node with a CPU quota on the test bed instead of any injection), as
+pairs A B, B A, A B, ... so slow drifts of the
 machine hit both arms alike. Step times come from one callback on rank 0 shared by both arms; the
 first ``--skip`` steps are dropped. Per scenario: throughput ratio paced/plain (median and spread
 over pairs; throughput = steps / summed step time), step-time CV and p99 of each arm (median over
@@ -85,6 +88,27 @@ def scenarios(compute_ms: float, uplink_mbit: float) -> list[Scenario]:
             4,
             (*base, "--straggler", "1:20,3:20"),
             "local rank 1 of 2 emulated nodes of 2 ranks (ranks 1 and 3) +20 ms every step",
+        ),
+    ]
+    real = ("--compute-ms", "0", "--hidden", "1024", "--batch-size", "64")
+    out += [
+        Scenario(
+            "real-clean@2", 2, (*real, "--straggler", ""), "real compute only (width 1024), no injection"
+        ),
+        Scenario(
+            "real-backward@2",
+            2,
+            (*real, "--straggler", "1:16"),
+            "real compute only; rank 1's backward +16 ms every step, after its first block",
+        ),
+        Scenario(
+            "real-quota@2",
+            2,
+            (*real, "--straggler", ""),
+            "real compute only; 2 nodes, node 1 under a 0.5-CPU quota (slow in bursts)",
+            fabric=testbed.FabricSpec(
+                nodes=2, racks=1, uplink_mbit=10000, cpu_quota={1: 0.5}, prefix="pace-ab"
+            ),
         ),
     ]
     for ranks in (2, 8):

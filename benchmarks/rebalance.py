@@ -275,7 +275,13 @@ def table(rows: list[dict[str, Any]], args: Any, data_path: dict[str, float]) ->
         "",
         f"Rebalancing vs plain DDP ({args.reps} alternating pairs of runs per case, {args.steps} steps, "
         f"first {args.skip} left out; {args.sample_ms:g} ms emulated compute per sample, the slow rank's "
-        f"extra time in phase {args.phase!r}, "
+        f"extra time in phase {args.phase!r}"
+        + (
+            f"; the quota cases real compute only, width {args.quota_hidden}, node 1 under {args.quota:g} CPU"
+            if any(r.get("quota") for r in rows)
+            else ""
+        )
+        + ", "
         f"{args.batch_size} samples per rank at even shares, rebalance_quantum {args.quantum_used})",
         "",
         "| ranks | rank 1 per sample | ddp samples/s | rebalance samples/s | ratio (median; each pair) "
@@ -287,12 +293,13 @@ def table(rows: list[dict[str, Any]], args: Any, data_path: dict[str, float]) ->
         each = ", ".join(f"{x:.3f}" for x in r["ratios"])
         label = f"{r['ranks']}" if r["nodes"] == 1 else f"{r['ranks']} on {r['nodes']} nodes"
         slow = f"quota {r['quota']:g} CPU" if r.get("quota") else f"{r['factor']:g}x"
+        theory = "-" if r.get("quota") else f"{r['theory_ddp_of_capacity']:.0%}"
         lines.append(
             f"| {label} | {slow} | {r['ddp_samples_per_s']:.0f} | "
             f"{r['rebalance_samples_per_s']:.0f} | {r['ratio_median']:.3f} ({each}) | "
             f"{r['capacity_per_s']:.0f} | {r['best_split_bound_per_s']:.0f} | "
             f"{r['attainable_per_s']:.0f} ({r['outside_compute_ms']:.1f} ms) | "
-            f"{r['ddp_of_capacity']:.0%} ({r['theory_ddp_of_capacity']:.0%}) | "
+            f"{r['ddp_of_capacity']:.0%} ({theory}) | "
             f"{r['rebalance_of_capacity']:.0%} | {r['rebalance_of_attainable']:.0%} | "
             f"{' / '.join(map(str, r['final_shares']))} |"
         )

@@ -21,8 +21,8 @@ class SharePhase:
     last_step: int
     steps: int  #: steps counted (a phase's first ``skip`` steps are not)
     samples_per_s: float  #: global samples over the summed step wall time
-    ms_per_sample: tuple[float, ...]  #: each rank's median compute time per sample, milliseconds
-    #: median step time outside the slowest rank's compute (all-reduce, optimizer, data, loop), ms:
+    ms_per_sample: tuple[float, ...]  #: each rank's mean compute time per sample, milliseconds
+    #: mean step time outside the slowest rank's compute (all-reduce, optimizer, data, loop), ms:
     #: the per-step cost no split of the samples shortens
     outside_ms: float = 0.0
 
@@ -53,11 +53,12 @@ def share_phases(steps: Iterable[Mapping[str, Any]], skip: int = 2) -> list[Shar
     for shares, members in runs:
         counted = members[skip:] if len(members) > skip else members
         total_ms = sum(float(s["step_ms"]) for s in counted)
+        # Means, as the rebalancer measures: a rank slow in bursts costs its tail, not its median.
         per_rank = [
-            statistics.median(float(s["ranks"]["compute_ms"][r]) / n for s in counted)
+            statistics.fmean(float(s["ranks"]["compute_ms"][r]) / n for s in counted)
             for r, n in enumerate(shares)
         ]
-        outside = statistics.median(
+        outside = statistics.fmean(
             float(s["step_ms"]) - max(float(c) for c in s["ranks"]["compute_ms"]) for s in counted
         )
         phases.append(

@@ -1,10 +1,13 @@
 """Bulk-synchronous steps, vectorized over ranks and a window of steps, paced by the real controller.
 
 Per step: each rank computes (``compute_ms``), the first gradient bucket is ready after the
-non-overlapped part, the rank sleeps its pacing delay, then enters the collective. The collective
-starts when the last rank arrives and takes ``collective_ms``; the overlapped part of backward runs
-after each rank's arrival. Waits, compute times and delays go through the same
-``window_stats`` -> ``PacingPolicy`` pipeline as a real run, once per window.
+non-overlapped part, the rank sleeps its pacing delay, then hands its first bucket to the
+collective. The collective starts when the last rank's first bucket is there and takes
+``collective_ms``; the overlapped part of backward runs after the hand-off. What a rank records is
+what the real monitors record: its arrival is the end of its local backward (the overlapped part
+included), its wait runs from there to the completion of the step's collectives (the collective's
+end, or the last rank's end of backward if that is later). Waits, compute times and delays go
+through the same ``window_stats`` -> ``PacingPolicy`` pipeline as a real run, once per window.
 """
 
 from __future__ import annotations
@@ -116,13 +119,15 @@ def run_steps(
         extra = _spin_extra(ready, arrival, gpus_per_node, spin_contention)
         ready = ready + extra
         arrival = arrival + extra
-        collective_done = arrival.max(axis=1) + d.collective_ms  # it starts when the last rank arrives
-        step = np.maximum(collective_done, (arrival + tail).max(axis=1)) + d.other_ms
-        wait = collective_done[:, None] - arrival
+        collective_done = arrival.max(axis=1) + d.collective_ms  # starts at the last first bucket
+        local_end = arrival + tail  # each rank's end of local backward: its arrival as recorded
+        completion = np.maximum(collective_done, local_end.max(axis=1))
+        step = completion + d.other_ms
+        wait = completion[:, None] - local_end
         index = np.arange(done, done + k)
         keep = index >= warmup_steps
         step_times.append(step[keep])
-        lead_sum += float((arrival.max(axis=1, keepdims=True) - arrival).mean(axis=1)[keep].sum())
+        lead_sum += float((local_end.max(axis=1, keepdims=True) - local_end).mean(axis=1)[keep].sum())
         active.append(np.full(int(keep.sum()), bool((delays > 0).any())))
         delay_max.append(np.full(int(keep.sum()), float(delays.max())))
         if policy is not None:
@@ -130,7 +135,7 @@ def run_steps(
             g[:, :, Field.STEP] = torch.from_numpy(index.astype(np.float64))
             g[:, :, Field.VALID] = 1.0
             g[:, :, Field.WARMUP] = torch.from_numpy((~keep).astype(np.float64))
-            g[:, :, Field.COMPUTE_MS] = torch.from_numpy(ready.T.copy())
+            g[:, :, Field.COMPUTE_MS] = torch.from_numpy((ready + tail).T.copy())
             g[:, :, Field.WAIT_MS] = torch.from_numpy(wait.T.copy())
             g[:, :, Field.DELAY_MS] = torch.from_numpy(np.repeat(delays[:, None], k, axis=1))
             g[:, :, Field.STEP_MS] = torch.from_numpy(np.repeat(step[None, :], ranks, axis=0))
