@@ -4,6 +4,7 @@ late start, host oversubscription."""
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +23,31 @@ from pace_strategy.diagnose.run_stats import (
 )
 
 
+def _rank_finding(
+    run: RunStats,
+    mode: Mode,
+    r: int,
+    mask: np.ndarray,
+    confidence: float,
+    evidence: str,
+    action: str,
+    details: dict[str, Any] | None = None,
+) -> Finding:
+    """A finding about rank ``r`` that costs the waiting of the ``mask`` steps (the ones it set)."""
+    return Finding(
+        mode=mode,
+        ranks=[r],
+        hosts=run.hosts_of([r]),
+        confidence=confidence,
+        lost_step_fraction=run.lost_when(mask),
+        noise_floor_fraction=run.jitter_when(mask),
+        projection_basis="ranks",
+        evidence=evidence,
+        action=action,
+        details=details or {},
+    )
+
+
 def data_stall(run: RunStats, explained: set[int]) -> list[Finding]:
     out = []
     cfg = run.cfg
@@ -36,14 +62,12 @@ def data_stall(run: RunStats, explained: set[int]) -> list[Finding]:
         if np.median(excess) >= noise and explained_share >= cfg.data_share:
             explained.add(r)
             out.append(
-                Finding(
-                    mode=Mode.DATA_STALL,
-                    ranks=[r],
-                    hosts=run.hosts_of([r]),
+                _rank_finding(
+                    run,
+                    Mode.DATA_STALL,
+                    r,
+                    mask,
                     confidence=min(1.0, explained_share) * float(run.share[r]) ** 0.5,
-                    lost_step_fraction=run.lost_when(mask),
-                    noise_floor_fraction=run.jitter_when(mask),
-                    projection_basis="ranks",
                     evidence=(
                         f"{run.a.describe_rank(r)} arrived last in {pct(float(run.share[r]))} of "
                         f"{run.S:,} steps, {np.median(late):.1f} ms late at the median; in those steps it "
@@ -211,14 +235,12 @@ def persistent_or_late_start(run: RunStats, explained: set[int]) -> list[Finding
             cause = ""
         if cause:
             out.append(
-                Finding(
-                    mode=Mode.PERSISTENT_STRAGGLER,
-                    ranks=[r],
-                    hosts=run.hosts_of([r]),
+                _rank_finding(
+                    run,
+                    Mode.PERSISTENT_STRAGGLER,
+                    r,
+                    mask,
                     confidence=max(float(run.share[r]), loss_share) if tail else float(run.share[r]),
-                    lost_step_fraction=run.lost_when(mask),
-                    noise_floor_fraction=run.jitter_when(mask),
-                    projection_basis="ranks",
                     evidence=f"{head}; {cause}{per_sample_text(run.a, r, mask)}",
                     action=_straggler_action(run, tail),
                     details=details,
@@ -226,14 +248,12 @@ def persistent_or_late_start(run: RunStats, explained: set[int]) -> list[Finding
             )
             continue
         out.append(
-            Finding(
-                mode=Mode.FABRIC_CONTENTION,
-                ranks=[r],
-                hosts=run.hosts_of([r]),
+            _rank_finding(
+                run,
+                Mode.FABRIC_CONTENTION,
+                r,
+                mask,
                 confidence=float(run.share[r]) * LATE_START_CONFIDENCE_FACTOR,
-                lost_step_fraction=run.lost_when(mask),
-                noise_floor_fraction=run.jitter_when(mask),
-                projection_basis="ranks",
                 evidence=(
                     f"{head}, but its own work was normal (compute {compute_late:+.1f} ms, optimizer step "
                     f"and input {own_late:+.1f} ms against the other ranks' median): it started each step "
