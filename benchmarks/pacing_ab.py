@@ -300,7 +300,8 @@ def main() -> int:
         f"{meta['date']}, {meta['machine']['cpus']} CPUs ({meta['machine']['platform']}), gloo over "
         f"loopback (test-bed scenarios: over the emulated two-rack fabric), {args.steps} steps per run "
         f"(first {args.skip} dropped), {args.repeats} interleaved "
-        f"A/B pairs per scenario, emulated compute {args.compute_ms:g} ms/step. Command: "
+        f"A/B pairs per scenario, emulated compute {args.compute_ms:g} ms/step (real-* scenarios: none). "
+        "Command: "
         f"`{meta['command']}`; test-bed uplink {args.uplink_mbit:g} Mbit/s"
     )
     result = {"benchmark": "pacing_ab", **meta, "rows": rows}
