@@ -65,7 +65,7 @@ class PacingConfig:
             delay and queues autograd-engine callbacks that mark the end of backward and, after DDP
             has waited for every bucket, completion; no Python runs on the communication path, and a
             user's comm hook is registered as it is. ``"comm_hook"``: a comm hook that wraps the
-            user's (or the default all-reduce) and times every bucket (the run record's
+            user's (or the default all-reduce) and counts every bucket (the run record's
             ``buckets``), arrival at the last bucket's hand-off; it costs more per step
             (docs/overhead.md). FSDP ignores this field."""
         ),

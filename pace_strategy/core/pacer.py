@@ -8,7 +8,7 @@ ready for the collective; this is the rank's **arrival**), ``sync_done`` (after 
 every bucket) or ``sync_done_callback`` (chained onto the last bucket's future) and ``end_step``
 (after the optimizer step). FSDP, whose all-gathers and reduce-scatters are each a sync point, brackets every
 collective with ``enter_collective`` / ``exit_collective`` instead (the first applies the delay).
-The hot path is a clock mark and an append; everything else happens once per window.
+The hot path is a few clock marks and a counter; everything else happens once per window.
 
 The Pacer decides; it does not summarize. Whoever needs per-step :class:`StepSummary` records (the
 session's telemetry thread on rank 0, tests, benchmarks) feeds each ``WindowResult.gathered`` to one
@@ -71,7 +71,9 @@ class _OpenStep:
     samples: int = 0
     #: whether bucket hand-offs are seen (the comm-hook monitor); False: the buckets are not timed
     bucketed: bool = True
-    handoffs: list[Any] = field(default_factory=list)
+    #: hand-offs after the first (buckets, or FSDP collectives): a count, never read as times (a mark
+    #: each would be a CUDA event per bucket per step on GPU)
+    handoffs: int = 0
     #: (hand-off, completion) marks of each collective timed on its own (FSDP); empty for DDP buckets
     collectives: list[tuple[Any, Any]] = field(default_factory=list)
 
@@ -266,7 +268,7 @@ class Pacer:
             step = self._open
             assert step is not None
         if step.ready is not None:  # a second backward in the same step: just another hand-off
-            step.handoffs.append(self.clock.mark())
+            step.handoffs += 1
             return
         step.ready = self.clock.mark()
         step.bucketed = bucketed
@@ -291,9 +293,9 @@ class Pacer:
         self.progress = 3 * self._steps_seen + 2
 
     def note_bucket(self) -> None:
-        """Called by the comm hook for every later bucket: one mark and one append."""
+        """Called by the comm hook for every later bucket: one count (the buckets are counted, not timed)."""
         if self._open is not None:
-            self._open.handoffs.append(self.clock.mark())
+            self._open.handoffs += 1
 
     def enter_collective(self) -> Any | None:
         """A collective of the open step is about to be issued (FSDP all-gather or reduce-scatter).
@@ -310,7 +312,7 @@ class Pacer:
             self.progress = 3 * self._steps_seen + 2  # FSDP: its first collective is where it arrives
             return step.entered
         start = self.clock.mark()
-        step.handoffs.append(start)
+        step.handoffs += 1
         return start
 
     def exit_collective(self, start: Any | None) -> None:
@@ -489,7 +491,7 @@ class Pacer:
         row[Field.DATA_MS] = s.data_ms
         row[Field.GAP_MS] = el(s.prev_done, s.begin) if s.prev_done is not None else el(s.start, s.begin)
         if s.bucketed:
-            row[Field.BUCKETS] = float(len(s.handoffs) + (1 if s.ready is not None else 0))
+            row[Field.BUCKETS] = float(s.handoffs + (1 if s.ready is not None else 0))
         row[Field.GC_MS] = s.gc_ms
         row[Field.GC_COLLECTIONS] = float(s.gc_collections)
         row[Field.SAMPLES] = float(s.samples)

@@ -14,14 +14,14 @@ bucket) and queues autograd-engine callbacks: the first marks the arrival once t
 the whole backward, a second marks completion once DDP has waited for every bucket. A user's comm
 hook is registered as it is.
 
-The comm hook (:func:`paced_comm_hook`) wraps any other hook and times every bucket; the last
-bucket's hand-off is the arrival. It composes:
-the wrapped hook (a user's hook such as fp16 compression, or by default the mean all-reduce) does the
-communication and its result is returned unchanged, so pacing never changes the gradients. Its hot
-path is one clock mark and an append per bucket; the default all-reduce is issued on the process
-group directly and needs one Python callback per bucket (to turn the work's tensor list into the
-tensor DDP expects), the last bucket's also marking completion. On a CPU-starved machine that
-Python on gloo's thread costs about as much as torch's own ``allreduce_hook`` (docs/overhead.md).
+The comm hook (:func:`paced_comm_hook`) wraps any other hook and counts every bucket; the last
+bucket's hand-off is the arrival. It composes: the wrapped hook (a user's hook such as fp16
+compression, or by default the mean all-reduce) does the communication and its result is returned
+unchanged, so pacing never changes the gradients. Its hot path is a counter per bucket (clock marks
+at the first and the last only); the default all-reduce is issued on the process group directly
+and needs one Python callback per bucket (to turn the work's tensor list into the tensor DDP
+expects), the last bucket's also marking completion. On a CPU-starved machine that Python on gloo's
+thread costs about as much as torch's own ``allreduce_hook`` (docs/overhead.md).
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the hook's annotations at run time.
@@ -57,8 +57,8 @@ CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 class PacedHookState:
     """State of :func:`paced_comm_hook`: the pacer, and the wrapped hook with its own state.
 
-    ``inner_hook=None`` is the built-in mean all-reduce on the process group ``inner_state`` (the
-    same division by the group size, then sum, as torch's ``allreduce_hook``, so the same bits).
+    ``inner_hook=None`` is the built-in mean all-reduce on the process group ``inner_state``: the same
+    multiplication by ``1 / W``, then sum, as DDP's own reducer, so the same bits at every world size.
     """
 
     pacer: Pacer
@@ -104,9 +104,13 @@ def paced_comm_hook(state: PacedHookState, bucket: dist.GradBucket) -> torch.fut
 def _allreduce_mean(
     group: dist.ProcessGroup, bucket: dist.GradBucket
 ) -> torch.futures.Future[list[torch.Tensor]]:
-    """DDP's default reduction of one bucket, issued on the process group itself (same bits)."""
+    """DDP's default reduction of one bucket, issued on the process group itself (same bits).
+
+    DDP's reducer multiplies each gradient by ``1 / W`` as it copies it into the bucket, then sums;
+    so does this (a division by ``W``, as torch's ``allreduce_hook`` does, differs in the last bit for
+    about a third of the values at W = 3)."""
     tensor = bucket.buffer()
-    tensor.div_(group.size())
+    tensor.mul_(1.0 / group.size())
     return group.allreduce([tensor]).get_future()
 
 
@@ -128,7 +132,8 @@ def register_paced_hook(
 
     With no ``inner_hook`` the communication is the built-in mean all-reduce on the model's process
     group (``inner_state``; ``None`` means the model's own group), the same average, bit for bit,
-    as torch's ``allreduce_hook`` and DDP's built-in reduction.
+    as DDP's built-in reduction (multiplied by ``1 / W``; torch's ``allreduce_hook`` divides, which
+    differs in the last bit at world sizes that are not powers of two).
     """
     if not isinstance(model, DistributedDataParallel):
         raise TypeError(
