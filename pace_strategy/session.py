@@ -388,14 +388,15 @@ class PacingSession:
             return
         self._finished = True
         local = None
+        dropped = 0
         if self.record is not None:
             try:
-                results, local = self.pacer.drain_local()
+                results, local, dropped = self.pacer.drain_local()
                 for result in results:
                     self.publish(result)
             except Exception:  # a signal may land anywhere in the pacer: never block the exit on it
                 log.exception("pace_strategy: could not account for the last steps at termination")
-        self._close("terminated", None, reason=reason, local_rows=local)
+        self._close("terminated", None, reason=reason, local_rows=local, unresolved=dropped)
         log.warning(
             "[rank %d/%d] pace_strategy: %s after %d steps: pacing stopped%s",
             self.rank,
@@ -514,6 +515,7 @@ class PacingSession:
         *,
         reason: str | None = None,
         local_rows: torch.Tensor | None = None,
+        unresolved: int = 0,
     ) -> None:
         self._release_collector()
         if self.watchdog is not None:
@@ -539,12 +541,10 @@ class PacingSession:
             # A run that never stepped (set up, then stopped or failed) leaves no record behind.
             # "gc": one report per rank after a normal finish, else rank 0's alone
             gc_ranks = self._gc_ranks if self._gc_ranks is not None else [self.gc_report()]
-            self.record.close(
-                status,
-                message,
-                extra={"rank0_pacer_cost": cost, "gc": gc_ranks},
-                create=self.pacer.steps_seen > 0,
-            )
+            extra: dict[str, Any] = {"rank0_pacer_cost": cost, "gc": gc_ranks}
+            if unresolved:  # completed steps whose device marks had not happened: not waited for
+                extra["unresolved_steps_dropped"] = unresolved
+            self.record.close(status, message, extra=extra, create=self.pacer.steps_seen > 0)
 
 
 class _Publisher:

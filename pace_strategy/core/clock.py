@@ -16,7 +16,10 @@ class Clock(Protocol):
     """Marks moments and measures durations on one rank; no value is ever compared across ranks.
 
     ``mark()`` must be cheap (it runs in the DDP comm hook). ``elapsed_ms(a, b)`` may block until both
-    marks have happened (CUDA) and is only called when a window of steps is resolved.
+    marks have happened (CUDA) and is only called when a window of steps is resolved. ``ready(m)``
+    never blocks: whether mark ``m`` has happened. A shutdown path (SIGTERM, a hang) resolves only
+    steps whose marks are all ready: a peer may die inside a collective, and a mark queued behind it
+    would then never complete.
     """
 
     #: How many of the most recent steps must stay unresolved at a window boundary. CUDA marks are
@@ -30,6 +33,8 @@ class Clock(Protocol):
     def delay(self, ms: float) -> None: ...
 
     def now_s(self) -> float: ...
+
+    def ready(self, mark: Any) -> bool: ...
 
 
 class HostClock:
@@ -50,6 +55,9 @@ class HostClock:
 
     def now_s(self) -> float:
         return time.monotonic()
+
+    def ready(self, mark: int) -> bool:
+        return True  # a host time is taken when it happens
 
 
 class CudaEventClock:
@@ -77,6 +85,9 @@ class CudaEventClock:
     def elapsed_ms(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
         end.synchronize()
         return float(start.elapsed_time(end))
+
+    def ready(self, mark: torch.cuda.Event) -> bool:
+        return bool(mark.query())  # never waits: the stream may be stuck behind a dead peer's collective
 
     def delay(self, ms: float) -> None:
         if ms <= 0:
@@ -131,6 +142,9 @@ class ManualClock:
 
     def now_s(self) -> float:
         return self.now_ms / 1e3
+
+    def ready(self, mark: float) -> bool:
+        return True
 
 
 def clock_for_device(device: torch.device) -> Clock:

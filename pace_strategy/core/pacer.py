@@ -396,15 +396,17 @@ class Pacer:
         self.flush_ns += time.perf_counter_ns() - started
         return results
 
-    def drain_local(self) -> tuple[list[WindowResult], torch.Tensor]:
-        """End without any collective (preemption; the peers may be gone or stopping): what this rank
-        can still account for of the steps it completed.
+    def drain_local(self) -> tuple[list[WindowResult], torch.Tensor, int]:
+        """End without any collective and without waiting (preemption, a hang; the peers may be gone
+        or stopping): what this rank can still account for of the steps it completed.
 
         Returns the window in flight if its all-gather has already completed (checked, never waited
-        for: every rank's rows, decided as usual), and this rank's own rows (``[steps, NUM_FIELDS]``)
-        of every completed step that was not exchanged: the window whose gather had not completed and
-        the steps not yet launched. The step in progress, if any, is not counted. The Pacer exchanges
-        nothing afterwards.
+        for: every rank's rows, decided as usual), this rank's own rows (``[steps, NUM_FIELDS]``) of
+        every completed step that was not exchanged (the window whose gather had not completed and
+        the steps not yet launched), and how many completed steps were dropped because one of their
+        marks had not happened yet (``Clock.ready``; on CUDA an event queued behind a collective that
+        a dead peer never joins would block a resolve until the NCCL timeout). The step in progress,
+        if any, is not counted. The Pacer exchanges nothing afterwards.
         """
         results: list[WindowResult] = []
         local: list[torch.Tensor] = []
@@ -418,11 +420,18 @@ class Pacer:
                 done = False
             if not done and self._pending_rows is not None:
                 local.append(self._pending_rows)
-        if self._unresolved:
-            local.append(torch.tensor([self._resolve(s) for s in self._unresolved], dtype=torch.float64))
-            self._unresolved = []
+        steps, self._unresolved = self._unresolved, []
+        ready = [s for s in steps if self._marks_ready(s)]
+        if ready:
+            local.append(torch.tensor([self._resolve(s) for s in ready], dtype=torch.float64))
         rows = torch.cat(local) if local else torch.empty(0, NUM_FIELDS, dtype=torch.float64)
-        return results, rows
+        return results, rows, len(steps) - len(ready)
+
+    def _marks_ready(self, s: _OpenStep) -> bool:
+        """Whether every mark of step ``s`` has happened (never blocks)."""
+        marks = [s.start, s.begin, s.prev_done, s.ready, s.entered, s.arrival, s.done, s.end]
+        marks += [m for pair in s.collectives for m in pair]
+        return all(self.clock.ready(m) for m in marks if m is not None)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:

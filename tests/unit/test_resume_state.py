@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -197,3 +198,63 @@ def test_sigterm_closes_the_record_as_terminated_and_passes_the_signal_on(tmp_pa
     assert [s["step"] for s in record.steps] == list(range(8))
     assert [s["step"] for s in record.local_steps] == [8, 9, 10, 11]
     assert record.end["local_steps"] == 4 and all(s["rank"] == 0 for s in record.local_steps)
+
+
+class _GatedClock:
+    """A test double of the clock contract: a mark completes only when the test opens its gate, and
+    ``elapsed_ms`` blocks until both marks have completed, as ``CudaEventClock`` does for an event
+    queued behind a collective that a dead peer never joins."""
+
+    resolve_lag_steps = 1
+
+    def __init__(self) -> None:
+        self.now_ms = 0.0
+        self.open_from = 0  # marks with a sequence number below this have completed
+        self._sequence = 0
+
+    def mark(self) -> tuple[int, float]:
+        self._sequence += 1
+        self.now_ms += 1.0
+        return (self._sequence, self.now_ms)
+
+    def ready(self, mark: tuple[int, float]) -> bool:
+        return mark[0] < self.open_from
+
+    def elapsed_ms(self, start: tuple[int, float], end: tuple[int, float]) -> float:
+        deadline = time.monotonic() + 30.0
+        while not (self.ready(start) and self.ready(end)):  # a real event would wait for ever
+            if time.monotonic() > deadline:
+                raise AssertionError("elapsed_ms blocked on a mark that never completes")
+            time.sleep(0.01)
+        return end[1] - start[1]
+
+    def delay(self, ms: float) -> None:
+        self.now_ms += ms
+
+    def now_s(self) -> float:
+        return self.now_ms / 1e3
+
+
+def test_terminate_never_waits_for_a_mark_that_has_not_happened(tmp_path):
+    clock = _GatedClock()
+    session = PacingSession.start(
+        PacingConfig(exchange_every_steps=4, warmup_steps=0),
+        rank=0,
+        world_size=1,
+        device=torch.device("cpu"),
+        group=None,
+        framework="test",
+        log_dir=tmp_path,
+        clock=clock,
+    )
+    clock.open_from = 10**9  # the first 9 steps' marks complete...
+    _train(session, 9)  # two windows of 4 resolved and exchanged; step 8 held back (resolve lag 1)
+    clock.open_from = clock._sequence + 1
+    _train(session, 3)  # ...then the device is stuck: steps 9-11 have marks that never complete
+    started = time.monotonic()
+    session.terminate("SIGTERM (test)")
+    assert time.monotonic() - started < 5.0  # returned without waiting on the stuck marks
+    record = read_run_record(tmp_path)
+    assert record.end["status"] == "terminated" and record.end["unresolved_steps_dropped"] == 3
+    assert [s["step"] for s in record.steps] == list(range(8))
+    assert [s["step"] for s in record.local_steps] == [8]  # the one held back had completed
