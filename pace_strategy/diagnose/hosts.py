@@ -37,6 +37,9 @@ class HostLoad:
     omp_num_threads: list[int | None]  #: per rank, as set in its environment
     workers: list[int]  #: per rank: DataLoader workers (0 where not recorded)
     workers_known: bool
+    #: ranks that train on an accelerator (a ``cuda``/``xpu``/``mps`` device): counted as one busy
+    #: thread each (the one that launches its kernels), their intra-op threads idle meanwhile
+    accelerator_ranks: int = 0
 
     @property
     def busy_threads(self) -> int:
@@ -55,7 +58,9 @@ class HostLoad:
     def load_text(self) -> str:
         """``3 ranks x 1 intra-op thread each (OMP_NUM_THREADS=1) + 2 DataLoader workers``."""
         n = len(self.ranks)
-        if not self.threads_known:
+        if self.accelerator_ranks == n:
+            threads = "1 busy thread each (on accelerators: intra-op threads idle while the device computes)"
+        elif not self.threads_known:
             threads = "1 thread each (intra-op threads not recorded: counted as 1, a lower bound)"
         elif len(set(self.threads)) == 1:
             threads = f"{self.threads[0]} intra-op thread{'s' if self.threads[0] > 1 else ''} each"
@@ -108,6 +113,10 @@ class HostLoad:
         )
 
 
+#: device types whose compute does not run on the rank's CPU threads
+_ACCELERATORS = ("cuda", "xpu", "mps", "hpu", "npu")
+
+
 def host_loads(topology: list[dict[str, Any]]) -> list[HostLoad]:
     """Per host (in order of first rank), its load; hosts whose cores are unknown are left out."""
     by_host: dict[str, list[dict[str, Any]]] = {}
@@ -130,7 +139,11 @@ def host_loads(topology: list[dict[str, Any]]) -> list[HostLoad]:
             continue
         if cores <= 0:
             continue
-        threads = [_int_or_none(p.get("intra_op_threads")) for p in places]
+        # A rank on an accelerator keeps one thread busy launching kernels; its intra-op threads
+        # (torch's CPU pool, often as many as the cores) idle while the device computes.
+        accelerator = [str(p.get("device") or "").split(":")[0] in _ACCELERATORS for p in places]
+        recorded = [_int_or_none(p.get("intra_op_threads")) for p in places]
+        threads = [1 if acc else t for acc, t in zip(accelerator, recorded, strict=True)]
         workers = [_int_or_none(p.get("dataloader_workers")) for p in places]
         out.append(
             HostLoad(
@@ -146,6 +159,7 @@ def host_loads(topology: list[dict[str, Any]]) -> list[HostLoad]:
                 omp_num_threads=[_int_or_none(p.get("omp_num_threads")) for p in places],
                 workers=[w or 0 for w in workers],
                 workers_known=all(w is not None for w in workers),
+                accelerator_ranks=sum(accelerator),
             )
         )
     return out

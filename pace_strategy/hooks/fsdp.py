@@ -123,6 +123,7 @@ def register_paced_collectives(model: nn.Module, pacer: Pacer) -> int:
         group = _param_group(module)
         if group is None:  # a root that holds no parameters of its own: no collectives to time
             continue
+        _refuse_replicate_dimension(module, group)
         all_gather = getattr(group, "_all_gather_comm", None)
         reduce_scatter = getattr(group, "_reduce_scatter_comm", None)
         if isinstance(all_gather, PacedAllGather):
@@ -138,6 +139,22 @@ def register_paced_collectives(model: nn.Module, pacer: Pacer) -> int:
             "pace_strategy.auto_shard) to the model before pacing it."
         )
     return count
+
+
+def _refuse_replicate_dimension(module: nn.Module, group: Any) -> None:
+    """HSDP (a 2-D mesh: replicate x shard) adds an all-reduce of the gradients over the replicate
+    dimension, issued by FSDP itself on its own stream (``foreach_reduce`` -> ``dist.all_reduce``),
+    not through the custom collectives: it would be neither timed nor paced, so the lead and the
+    delays would be wrong. Refused until that all-reduce can be timed right."""
+    mesh_info = getattr(group, "mesh_info", None)  # FSDP2's per-group mesh description (private)
+    if getattr(mesh_info, "replicate_mesh_dim", None) is not None:
+        raise PacingConfigError(
+            f"{type(module).__name__} is sharded over a 2-D device mesh (HSDP: replicate x shard). Paced "
+            "FSDP times and paces the shard dimension's all-gathers and reduce-scatters only; the "
+            "replicate dimension's gradient all-reduce is issued by FSDP itself and would be neither "
+            "timed nor paced. Shard over a 1-D mesh (fully_shard(module, mesh=mesh['data_parallel']), "
+            "what paced_fsdp does by default), or train HSDP without pacing (strategy='fsdp')."
+        )
 
 
 def unregister_paced_collectives(model: nn.Module) -> int:

@@ -111,3 +111,22 @@ def test_unregister_restores_the_fsdp2_collectives_it_wrapped():
         assert unregister_paced_collectives(model) == 0
     finally:
         dist.destroy_process_group()
+
+
+def test_hsdp_on_a_two_dimensional_mesh_is_refused_naming_what_is_supported():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from pace_strategy.hooks.fsdp import PacedAllGather, _param_group, register_paced_collectives
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model, mesh=mesh)  # a 2-D mesh: HSDP
+        with pytest.raises(PacingConfigError, match=r"2-D device mesh \(HSDP.*1-D mesh"):
+            register_paced_collectives(model, SimpleNamespace())
+        assert not isinstance(_param_group(model)._all_gather_comm, PacedAllGather)  # nothing changed
+    finally:
+        dist.destroy_process_group()

@@ -378,3 +378,26 @@ def test_a_late_start_in_the_frameworks_loop_is_the_network_and_in_its_optimizer
     top = diagnose(arrays_with_gaps(c, own, slow_opt)).findings[0]
     assert top.mode == "persistent_straggler" and top.ranks == [1], top
     assert "optimizer step and its input" in top.evidence and top.details["own_between_steps_late_ms"] > 15.0
+
+
+def test_gpu_ranks_count_one_busy_thread_each_so_an_8_gpu_host_is_not_crowded():
+    from pace_strategy.diagnose.hosts import host_loads
+
+    # 8 ranks on a 64-core GPU host, torch's default of 32 intra-op threads each, 4 loader workers
+    topo = [
+        {
+            "rank": r,
+            "host": "gpu-node",
+            "device": f"cuda:{r}",
+            "intra_op_threads": 32,
+            "host_cores": 64,
+            "dataloader_workers": 4,
+        }
+        for r in range(8)
+    ]
+    (load,) = host_loads(topo)
+    assert load.busy_threads == 8 + 32 and load.ratio <= 1.0  # 8 launching threads + 32 workers
+    assert "intra-op threads idle while the device computes" in load.load_text()
+    # the same ranks on CPU would keep 8 x 32 + 32 threads busy on 64 cores
+    (cpu,) = host_loads([{**t, "device": "cpu"} for t in topo])
+    assert cpu.busy_threads == 8 * 32 + 32 and cpu.ratio > 1.0
