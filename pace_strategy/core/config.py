@@ -262,6 +262,14 @@ class PacingConfig:
             shapes few (each new shape may cost a recompilation or an allocator warm-up on GPUs)."""
         ),
     )
+    rebalance_max_share: float = field(
+        default=1.5,
+        metadata=doc(
+            """The most samples a rank may take, as a multiple of the even share (global batch / world
+            size; at least 1). A fast rank's share otherwise grows without bound, up to nearly all of
+            the global batch, and its activations with it: on a GPU that runs it out of memory."""
+        ),
+    )
     rebalance_min_imbalance: float = field(
         default=0.05,
         metadata=doc(
@@ -371,6 +379,7 @@ class PacingConfig:
         if not isinstance(self.rebalance, bool):
             _fail("rebalance", self.rebalance, "true or false")
         _positive_int(self, "rebalance_quantum")
+        _number(self, "rebalance_max_share", low=1.0, high=float(2**31))
         _number(self, "rebalance_min_imbalance", low=0.0, high=1.0, low_open=True)
         _positive_int(self, "rebalance_persist_windows")
         _number(self, "rebalance_min_scaling", low=0.0, high=1.0, low_open=True)

@@ -152,10 +152,12 @@ def measure_window(gathered: torch.Tensor, global_batch: int) -> WindowMeasure |
 
 
 def best_split(
-    per_sample_ms: Sequence[float], global_batch: int, quantum: int
+    per_sample_ms: Sequence[float], global_batch: int, quantum: int, max_share: float | None = None
 ) -> tuple[tuple[int, ...], float]:
     """The split of ``global_batch`` in whole ``quantum``-sample units (each rank at least one) that
     minimizes the slowest predicted compute ``per_sample_ms[r] * shares[r]``, and that compute (ms).
+    ``max_share``: no rank takes more quanta than fit in that multiple of the even share (the even
+    split always fits: the cap is at least the even share rounded up to a quantum).
 
     Greedy: each unit goes to the rank whose compute after taking it is smallest (optimal for a
     min-max of linear loads); among equal loads, to the rank furthest below its share proportional
@@ -173,6 +175,8 @@ def best_split(
     t = [float(v) for v in per_sample_ms]
     speed = [1.0 / v for v in t]
     ideal = [units * v / sum(speed) for v in speed]  # units proportional to speed
+    even_units = -(-units // world)  # the even share, rounded up to whole quanta
+    cap = units if max_share is None else max(even_units, int(max_share * global_batch / world) // quantum)
 
     def key(r: int, count: int) -> tuple[float, float, int]:
         return (t[r] * (count + 1) * quantum, count - ideal[r], r)
@@ -183,7 +187,8 @@ def best_split(
     for _ in range(units - world):
         r = heapq.heappop(heap)[2]
         count[r] += 1
-        heapq.heappush(heap, key(r, count[r]))
+        if count[r] < cap:  # a rank at its cap takes no more
+            heapq.heappush(heap, key(r, count[r]))
     shares = [c * quantum for c in count]
     if rest:
         r = min(range(world), key=lambda i: (t[i] * (shares[i] + rest), i))
@@ -364,7 +369,9 @@ class RebalancePolicy:
         path, a data stall) keeps the step long whatever the split: the arrival prediction says so,
         and the split, which only per-sample compute sets, never moves work because of it.
         """
-        shares, slowest_ms = best_split(per_sample_ms, self.global_batch, self.config.rebalance_quantum)
+        shares, slowest_ms = best_split(
+            per_sample_ms, self.global_batch, self.config.rebalance_quantum, self.config.rebalance_max_share
+        )
         by_compute = max(compute_ms) - slowest_ms * batches  # a step trains ``batches`` such splits
         change = [per_sample_ms[r] * shares[r] * batches - compute_ms[r] for r in range(self.world_size)]
         by_arrival = -min(wait_ms) - max(change[r] - wait_ms[r] for r in range(self.world_size))

@@ -522,3 +522,13 @@ def test_the_reader_checks_shares_lines(recorded, tmp_path):
         path.write_text("\n".join([*lines[:at], lines[at].replace(bad, field), *lines[at + 1 :]]) + "\n")
         with pytest.raises(RunRecordError, match=f"line {at + 1}: shares"):
             read_run_record(path)
+
+
+def test_no_rank_takes_more_than_the_max_share_of_the_even_split():
+    assert best_split([1.0, 100.0], 64, 8)[0] == (56, 8)  # uncapped: nearly all to the fast rank
+    shares, slowest = best_split([1.0, 100.0], 64, 8, max_share=1.5)
+    assert shares == (48, 16) and slowest == 1600.0  # 1.5 x the even 32: the slow rank keeps the rest
+    # a cap never stops the even split: 3 ranks, 100 samples, cap rounded to at least the even quanta
+    assert sum(best_split([1.0, 1.0, 9.0], 100, 8, max_share=1.0)[0]) == 100
+    with pytest.raises(PacingConfigError, match="rebalance_max_share"):
+        PacingConfig(rebalance_max_share=0.9)
