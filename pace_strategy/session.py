@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pace_strategy._version import __version__
-from pace_strategy.core.clock import Clock, clock_for_device
+from pace_strategy.core.clock import Clock, CudaEventClock, clock_for_device
 from pace_strategy.core.comm import gather_json
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PaceHangError
@@ -117,7 +117,11 @@ class PacingSession:
         self.world_size = world_size
         self._group = group
         self._owns_group = owns_group and group is not None
-        self.pacer = Pacer(config, group, rank, world_size, clock or clock_for_device(device))
+        if clock is None:
+            clock = clock_for_device(device)
+            if isinstance(clock, CudaEventClock) and config.mode != "monitor":
+                clock.calibrate()  # now, on the session's device: not inside the first paced step
+        self.pacer = Pacer(config, group, rank, world_size, clock)
         self.metrics_sink = metrics_sink if rank == 0 else None
         self.topology = [dict(placement) for placement in topology]
         self.record: RunRecordWriter | None = None

@@ -8,7 +8,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Clock", "CudaEventClock", "HostClock", "ManualClock", "clock_for_device"]
+__all__ = ["DELAY_DRIFT_FRACTION", "Clock", "CudaEventClock", "HostClock", "ManualClock", "clock_for_device"]
+
+#: a measured pacing delay this far (as a fraction) from the requested one recalibrates the device spin
+DELAY_DRIFT_FRACTION = 0.1
 
 
 @runtime_checkable
@@ -66,9 +69,15 @@ class CudaEventClock:
 
     ``delay`` enqueues a device-side spin (``torch.cuda._sleep``) so that the *stream* enters the
     collective later; a host sleep would only delay the enqueue, which usually runs ahead of the device.
+    The spin's cycles per millisecond are measured by :meth:`calibrate` (the session calls it at start,
+    on the session's device, not inside a measured step) and corrected without a host sync from every
+    delay the Pacer measures afterwards (:meth:`observe_delay`): SM clocks move with boost and power caps.
+
+    ``resolve_lag_steps`` is 2: a window is resolved two steps behind the newest, so reading its events
+    does not wait for the step just enqueued; the host keeps its run-ahead of the device.
     """
 
-    resolve_lag_steps = 1
+    resolve_lag_steps = 2
 
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda":
@@ -93,26 +102,41 @@ class CudaEventClock:
         if ms <= 0:
             return
         cycles = int(ms * self._calibrate())
-        torch.cuda._sleep(cycles)
+        with torch.cuda.device(self.device):
+            torch.cuda._sleep(cycles)
 
     def now_s(self) -> float:
         return time.monotonic()
 
-    def _calibrate(self) -> float:
-        """Spin-kernel cycles per millisecond on this device, measured once with events."""
-        with self._lock:
-            if self._cycles_per_ms is None:
-                stream = torch.cuda.current_stream(self.device)
-                probe_cycles = 1_000_000
-                torch.cuda._sleep(probe_cycles)  # warm the kernel up
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                torch.cuda._sleep(probe_cycles)
-                end.record(stream)
-                end.synchronize()
-                elapsed = max(float(start.elapsed_time(end)), 1e-3)
-                self._cycles_per_ms = probe_cycles / elapsed
+    def calibrate(self) -> float:
+        """Measure the spin kernel's cycles per millisecond on this clock's device (a host sync: call it
+        at start, not in a step). Returns them."""
+        with self._lock, torch.cuda.device(self.device):
+            stream = torch.cuda.current_stream(self.device)
+            probe_cycles = 1_000_000
+            torch.cuda._sleep(probe_cycles)  # warm the kernel up
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            torch.cuda._sleep(probe_cycles)
+            end.record(stream)
+            end.synchronize()
+            elapsed = max(float(start.elapsed_time(end)), 1e-3)
+            self._cycles_per_ms = probe_cycles / elapsed
             return self._cycles_per_ms
+
+    def observe_delay(self, requested_ms: float, measured_ms: float) -> None:
+        """A delay of ``requested_ms`` measured ``measured_ms`` (events around the spin): rescale the
+        cycles per millisecond when they drift by more than 10%, with no host sync."""
+        with self._lock:
+            if self._cycles_per_ms is None or requested_ms <= 0 or measured_ms <= 0:
+                return
+            ratio = requested_ms / measured_ms
+            if abs(ratio - 1.0) > DELAY_DRIFT_FRACTION:
+                self._cycles_per_ms *= ratio
+
+    def _calibrate(self) -> float:
+        """The cycles per millisecond, measured now if the session did not (a clock used alone)."""
+        return self._cycles_per_ms if self._cycles_per_ms is not None else self.calibrate()
 
 
 class ManualClock:

@@ -427,6 +427,18 @@ class Pacer:
         rows = torch.cat(local) if local else torch.empty(0, NUM_FIELDS, dtype=torch.float64)
         return results, rows, len(steps) - len(ready)
 
+    def _measured_delay_ms(self, s: _OpenStep) -> float:
+        """The delay as it happened (first gradient to release), not as requested: a device spin runs
+        as long as the SM clocks make it, a host sleep oversleeps, and the lead adds the delay back.
+        A clock that can correct itself (``observe_delay``, the CUDA spin) learns from it."""
+        if s.delay_ms <= 0.0 or s.ready is None or s.entered is None:
+            return 0.0
+        measured = self.clock.elapsed_ms(s.ready, s.entered)
+        observe = getattr(self.clock, "observe_delay", None)
+        if observe is not None:
+            observe(s.delay_ms, measured)
+        return measured
+
     def _marks_ready(self, s: _OpenStep) -> bool:
         """Whether every mark of step ``s`` has happened (never blocks)."""
         marks = [s.start, s.begin, s.prev_done, s.ready, s.entered, s.arrival, s.done, s.end]
@@ -484,18 +496,19 @@ class Pacer:
         row = [0.0] * NUM_FIELDS
         row[Field.STEP] = float(s.step)
         seen = s.ready is not None and s.entered is not None and s.done is not None
+        delay = self._measured_delay_ms(s)
         row[Field.VALID] = 1.0 if seen else 0.0
         row[Field.WARMUP] = 1.0 if s.warmup else 0.0
         if seen and s.collectives:
             blocked = sum(el(a, b) for a, b in s.collectives)
             row[Field.WAIT_MS] = blocked
-            row[Field.COMPUTE_MS] = max(el(s.begin, s.done) - blocked - s.delay_ms, 0.0)
+            row[Field.COMPUTE_MS] = max(el(s.begin, s.done) - blocked - delay, 0.0)
         elif seen:
             # The delay was applied at the first gradient, before the arrival: it is not compute.
             arrival = s.arrival if s.arrival is not None else s.entered
-            row[Field.COMPUTE_MS] = max(el(s.begin, arrival) - s.delay_ms, 0.0)
+            row[Field.COMPUTE_MS] = max(el(s.begin, arrival) - delay, 0.0)
             row[Field.WAIT_MS] = max(el(arrival, s.done), 0.0)
-        row[Field.DELAY_MS] = s.delay_ms
+        row[Field.DELAY_MS] = delay
         row[Field.STEP_MS] = el(s.start, s.end)
         row[Field.DATA_MS] = s.data_ms
         row[Field.GAP_MS] = el(s.prev_done, s.begin) if s.prev_done is not None else el(s.start, s.begin)

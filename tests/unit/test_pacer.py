@@ -165,3 +165,60 @@ def test_fsdp_collectives_sum_their_blocked_time_and_the_first_one_is_paced():
     assert s.wait_ms == (5.0,)  # 3 + 2: time blocked in collectives, not the span between them
     assert s.compute_ms == (11.0,)  # 1 + 10: batch ready -> last collective done, less waits and delay
     assert s.delay_ms == (4.0,) and s.buckets == 2
+
+
+class _OversleepingClock(ManualClock):
+    """A clock whose delay runs 50% long (a host sleep that oversleeps, a device spin whose SM clock
+    dropped) and that can be corrected, like the CUDA spin, from what the Pacer measures."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.observed: list[tuple[float, float]] = []
+
+    def delay(self, ms: float) -> None:
+        super().delay(1.5 * ms)
+
+    def observe_delay(self, requested_ms: float, measured_ms: float) -> None:
+        self.observed.append((requested_ms, measured_ms))
+
+
+def test_the_record_holds_the_delay_as_measured_not_as_requested():
+    clock = _OversleepingClock()
+    pacer = Pacer(PacingConfig(mode="forced", exchange_every_steps=2, warmup_steps=0), None, 0, 1, clock)
+    pacer._delay_ms = 4.0
+    for step in range(3):
+        pacer.begin_step(step)
+        clock.advance(10.0)
+        pacer.enter_sync(bucketed=False)
+        clock.advance(20.0)
+        pacer.arrive()
+        clock.advance(5.0)
+        pacer.sync_done()
+        window = pacer.end_step()
+    s = summaries(window)[0]
+    assert s.delay_ms == (6.0,) and s.compute_ms == (30.0,)  # the 6 ms it took, not the 4 asked
+    assert clock.observed[:2] == [(4.0, 6.0), (4.0, 6.0)]  # the clock can correct its spin
+
+
+def test_a_clock_that_resolves_two_steps_behind_still_exchanges_whole_windows():
+    class LaggingClock(ManualClock):
+        resolve_lag_steps = 2  # as CudaEventClock: the newest two steps stay unresolved
+
+    clock = LaggingClock()
+    pacer = Pacer(PacingConfig(exchange_every_steps=4, warmup_steps=0), None, 0, 1, clock)
+    windows = [w for w in (run_step(pacer, clock, s) for s in range(12)) if w is not None]
+    assert [w.gathered.shape[1] for w in windows] == [4, 4]  # same shape on every rank, every window
+    assert [int(w.gathered[0, 0, 0]) for w in windows] == [0, 4]
+
+
+def test_the_cuda_spin_rescales_from_measured_delays_without_a_host_sync():
+    import threading
+
+    from pace_strategy.core.clock import CudaEventClock
+
+    clock = CudaEventClock.__new__(CudaEventClock)  # the arithmetic only: no device here
+    clock._lock, clock._cycles_per_ms = threading.Lock(), 1000.0
+    clock.observe_delay(4.0, 4.2)  # 5% off: within the drift allowed, left alone
+    assert clock._cycles_per_ms == 1000.0
+    clock.observe_delay(4.0, 5.0)  # the spin ran 25% long (SM clocks dropped): fewer cycles per ms
+    assert clock._cycles_per_ms == 800.0
