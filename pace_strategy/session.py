@@ -28,9 +28,10 @@ from pace_strategy._version import __version__
 from pace_strategy.core.clock import Clock, CudaEventClock, clock_for_device
 from pace_strategy.core.comm import gather_json
 from pace_strategy.core.config import PacingConfig
-from pace_strategy.core.errors import PaceHangError
+from pace_strategy.core.errors import PaceDistributedError, PaceHangError
 from pace_strategy.core.gc_monitor import GcMonitor
 from pace_strategy.core.gc_sync import GcSync
+from pace_strategy.core.netif import GLOO_IFNAME_VARIABLE, gloo_interface
 from pace_strategy.core.pacer import Pacer, WindowResult
 from pace_strategy.core.state import STATE_VERSION, PacingStateError, StatefulComponent, check_state
 from pace_strategy.core.summary import StepSummarizer
@@ -56,10 +57,32 @@ def side_group(config: PacingConfig) -> dist.ProcessGroup | None:
 
     Collective on every rank. gloo keeps the few floats per step on the CPU, off the NCCL streams, and
     gets its own timeout so that a dead or hung peer is reported by pace_strategy instead of hanging.
+    Its interface is the one the job's own traffic takes (:func:`~pace_strategy.core.netif.gloo_interface`):
+    ``GLOO_SOCKET_IFNAME`` when set, else the one that routes to ``MASTER_ADDR``, which is then set
+    for this process (gloo reads the variable when a group is built). A side group that cannot connect
+    fails here, naming the interface and the variable to set.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=config.exchange_timeout_s))
+    interface, why = gloo_interface()
+    if interface is not None and not os.environ.get(GLOO_IFNAME_VARIABLE):
+        os.environ[GLOO_IFNAME_VARIABLE] = interface  # what gloo reads when it builds the group
+        log.debug("pace_strategy: gloo side group over %s (%s)", interface, why)
+    try:
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=config.exchange_timeout_s))
+    except Exception as error:
+        where = (
+            f"interface {interface} ({why})"
+            if interface is not None
+            else f"the host name's interface ({why})"
+        )
+        raise PaceDistributedError(
+            dist.get_rank(),
+            dist.get_world_size(),
+            f"the gloo side group of pace_strategy could not connect over {where}: {error}. Set "
+            f"{GLOO_IFNAME_VARIABLE} to the network interface the ranks reach each other through (the "
+            "one NCCL_SOCKET_IFNAME or MASTER_ADDR uses), on every rank.",
+        ) from error
 
 
 class PacingSession:

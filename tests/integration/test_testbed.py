@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -261,3 +262,30 @@ def test_a_node_under_a_cpu_quota_is_its_own_bursty_straggler(tmp_path):
     # its own compute is what made it late
     assert top["details"]["compute_late_ms"] >= 0.5 * top["details"]["late_ms"], top["details"]
     assert not any(f["mode"] == "fabric_contention" and 1 in f["ranks"] for f in findings), findings
+
+
+def test_the_side_group_finds_the_interface_that_routes_to_the_master(tmp_path):
+    """Two nodes in network namespaces, GLOO_SOCKET_IFNAME unset when the side group is built: gloo
+    alone would take the host name's address (loopback in a namespace) and never connect; the side
+    group takes the interface that routes to MASTER_ADDR instead."""
+    from tests.integration.netns import two_node_fabric
+
+    script = Path(__file__).with_name("side_group_script.py")
+    with two_node_fabric(slow_rate_mbit=1000) as (a, b):
+        port = str(29000 + os.getpid() % 500)
+        procs = []
+        for rank, node in enumerate((a, b)):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR=a.address, MASTER_PORT=port)
+            env.update(GLOO_SOCKET_IFNAME=node.ifname, PYTHONPATH=str(script.parents[2]))
+            cmd = ["ip", "netns", "exec", node.netns, sys.executable, str(script)]
+            procs.append(
+                subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            )
+        try:
+            outs = [p.communicate(timeout=90)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+    for node, out, p in zip((a, b), outs, procs, strict=True):
+        assert p.returncode == 0, out[-2000:]
+        assert f"side group over {node.ifname} (job: {node.ifname}) sum 2" in out, out[-2000:]
