@@ -35,6 +35,12 @@ class RankPlacement:
     intra_op_threads: int | None = None  #: ``torch.get_num_threads()`` when the rank placed itself
     omp_num_threads: int | None = None  #: ``OMP_NUM_THREADS`` as set (``None``: unset or not a number)
     dataloader_workers: int | None = None  #: training DataLoader workers, where the adapter knows them
+    #: CUDA: the GPU's UUID (the same physical GPU whatever ``CUDA_VISIBLE_DEVICES`` calls it)
+    gpu_uuid: str | None = None
+    pci_bus_id: str | None = None  #: CUDA: ``domain:bus:device.0`` of the GPU
+    #: CUDA: whether the rank's CPU affinity lies within the GPU's NUMA node (``None``: unknown); a rank
+    #: pinned to the far socket pays every host-device copy across the interconnect
+    affinity_on_gpu_numa: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,19 +60,42 @@ def elastic_restart_count() -> int:
     return max(_env_int("TORCHELASTIC_RESTART_COUNT"), 0)
 
 
-def _cuda_numa_node(device: torch.device) -> int | None:
+SYSFS = Path("/sys")
+
+
+def _cuda_identity(device: torch.device) -> tuple[str | None, str | None, int | None]:
+    """The GPU's UUID, PCI bus id and NUMA node (each ``None`` where not known)."""
     import torch
 
     try:
         props = torch.cuda.get_device_properties(device)
-        ids = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
-        if any(i is None for i in ids):
-            return None
-        domain, bus, dev = (int(i) for i in ids)  # type: ignore[arg-type]
-        text = Path(f"/sys/bus/pci/devices/{domain:04x}:{bus:02x}:{dev:02x}.0/numa_node").read_text().strip()
-        return int(text) if int(text) >= 0 else None
-    except (OSError, RuntimeError, ValueError):
+    except (RuntimeError, AssertionError):
+        return None, None, None
+    uuid = getattr(props, "uuid", None)
+    ids = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    if any(i is None for i in ids):
+        return (str(uuid) if uuid is not None else None), None, None
+    domain, bus, dev = (int(i) for i in ids)  # type: ignore[arg-type]
+    pci = f"{domain:04x}:{bus:02x}:{dev:02x}.0"
+    return (str(uuid) if uuid is not None else None), pci, pci_numa_node(pci)
+
+
+def pci_numa_node(pci: str, sysfs: Path = SYSFS) -> int | None:
+    """The NUMA node of PCI device ``pci`` from sysfs (``None``: unknown or none)."""
+    try:
+        node = int((sysfs / "bus/pci/devices" / pci / "numa_node").read_text().strip())
+    except (OSError, ValueError):
         return None
+    return node if node >= 0 else None
+
+
+def affinity_within_numa(cpus: set[int], node: int, sysfs: Path = SYSFS) -> bool | None:
+    """Whether every CPU of ``cpus`` belongs to NUMA node ``node`` (``None``: unknown)."""
+    try:
+        node_cpus = parse_cpu_ranges((sysfs / f"devices/system/node/node{node}/cpulist").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return bool(cpus) and cpus <= node_cpus
 
 
 def parse_cpu_ranges(text: str) -> set[int]:
@@ -110,7 +139,11 @@ def local_placement(
         affinity: str | None = cpu_ranges(cpus)
         usable: int | None = len(cpus)
     except (AttributeError, OSError):
-        affinity, usable = None, None
+        cpus, affinity, usable = set(), None, None
+    uuid = pci = numa = near = None
+    if device.type == "cuda":
+        uuid, pci, numa = _cuda_identity(device)
+        near = affinity_within_numa(cpus, numa) if numa is not None and cpus else None
     omp = os.environ.get("OMP_NUM_THREADS", "").strip()
     return RankPlacement(
         rank=rank,
@@ -118,11 +151,14 @@ def local_placement(
         node_rank=node_rank if node_rank is not None else _env_int("NODE_RANK", "GROUP_RANK"),
         local_rank=local_rank if local_rank is not None else _env_int("LOCAL_RANK"),
         device=str(device),
-        numa_node=_cuda_numa_node(device) if device.type == "cuda" else None,
+        numa_node=numa,
         cpu_affinity=affinity,
         usable_cores=usable,
         host_cores=os.cpu_count(),
         intra_op_threads=torch.get_num_threads(),
         omp_num_threads=int(omp) if omp.isdigit() else None,
         dataloader_workers=dataloader_workers,
+        gpu_uuid=uuid,
+        pci_bus_id=pci,
+        affinity_on_gpu_numa=near,
     )

@@ -108,3 +108,21 @@ def test_a_run_that_failed_before_its_first_window_keeps_a_record_of_the_failure
     record = read_run_record(tmp_path / "run")
     assert record.end["status"] == "failed" and "boom" in record.end["error"] and record.steps == []
     assert f"run record kept at {session.record_path}" in caplog.text
+
+
+def test_gpu_placement_facts_come_from_sysfs(tmp_path):
+    from pace_strategy.telemetry.topology import affinity_within_numa, local_placement, pci_numa_node
+
+    pci = tmp_path / "bus/pci/devices/0000:17:00.0"
+    pci.mkdir(parents=True)
+    (pci / "numa_node").write_text("1\n")
+    node = tmp_path / "devices/system/node/node1"
+    node.mkdir(parents=True)
+    (node / "cpulist").write_text("32-63\n")
+    assert pci_numa_node("0000:17:00.0", sysfs=tmp_path) == 1
+    assert pci_numa_node("0000:99:00.0", sysfs=tmp_path) is None
+    assert affinity_within_numa({40, 41}, 1, sysfs=tmp_path) is True
+    assert affinity_within_numa({0, 40}, 1, sysfs=tmp_path) is False  # pinned across both sockets
+    assert affinity_within_numa({0}, 0, sysfs=tmp_path) is None  # node 0 not described
+    cpu = local_placement(0, torch.device("cpu"))  # on CPU every GPU fact is absent, not guessed
+    assert (cpu.gpu_uuid, cpu.pci_bus_id, cpu.numa_node, cpu.affinity_on_gpu_numa) == (None,) * 4
