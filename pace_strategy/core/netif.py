@@ -65,4 +65,19 @@ def gloo_interface() -> tuple[str | None, str]:
     name = interface_with_address(source) if source is not None else None
     if name is None:
         return None, f"no local interface routes to MASTER_ADDR={master}: gloo picks one from the host name"
+    if source is not None and source.startswith("127.") and _spans_nodes():
+        # MASTER_ADDR resolves to this host's loopback (a 127.0.1.1 /etc/hosts entry on node 0): the
+        # other nodes cannot reach that; leave the choice to gloo and say what to set.
+        return None, (
+            f"MASTER_ADDR={master} routes over loopback here but the job spans several nodes: set "
+            f"{GLOO_IFNAME_VARIABLE}"
+        )
     return name, f"the route to MASTER_ADDR={master} (from {source})"
+
+
+def _spans_nodes() -> bool:
+    """Whether the launcher says the job has ranks on other nodes (``WORLD_SIZE`` > ``LOCAL_WORLD_SIZE``)."""
+    try:
+        return int(os.environ["WORLD_SIZE"]) > int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return False

@@ -126,3 +126,19 @@ def test_gpu_placement_facts_come_from_sysfs(tmp_path):
     assert affinity_within_numa({0}, 0, sysfs=tmp_path) is None  # node 0 not described
     cpu = local_placement(0, torch.device("cpu"))  # on CPU every GPU fact is absent, not guessed
     assert (cpu.gpu_uuid, cpu.pci_bus_id, cpu.numa_node, cpu.affinity_on_gpu_numa) == (None,) * 4
+
+
+def test_the_side_group_interface_follows_the_jobs_own_route(monkeypatch):
+    from pace_strategy.core.netif import gloo_interface
+
+    for name in ("GLOO_SOCKET_IFNAME", "MASTER_ADDR", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert gloo_interface()[0] is None  # no MASTER_ADDR: gloo's own choice
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert gloo_interface()[0] == "lo"  # the interface holding the route's source address
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    interface, why = gloo_interface()  # several nodes: loopback cannot be right, and it says so
+    assert interface is None and "set GLOO_SOCKET_IFNAME" in why
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
+    assert gloo_interface() == ("eth7", "GLOO_SOCKET_IFNAME")  # what the user set always wins
