@@ -64,6 +64,7 @@ def hot_path_us(steps: int = 20000) -> float:
         pacer.begin_step(step)
         pacer.enter_sync()
         pacer.note_bucket()
+        pacer.arrive()  # the end of local backward (the last bucket, or the monitor's engine callback)
         pacer.sync_done_callback()(fut)
         pacer.end_step()
     return (time.perf_counter() - start) / steps * 1e6
@@ -130,7 +131,7 @@ def main() -> int:
             f"{r['arm']:<16}{r['median_step_ms']:>9.2f} ms{spread:>20}"
             f"{r['ratio_to_ddp']:>14.4f}{r['pooled_ratio_to_ddp']:>14.4f}"
         )
-    print(f"Pacer per-step hot path alone: {hot:.1f} us per step (begin, enter_sync, 1 bucket, done, end)")
+    print(f"Pacer per-step hot path alone: {hot:.1f} us per step (begin, enter_sync, 1 bucket, arrive, done, end)")
     for r in rows:
         work = r["rank0_window_work_us_per_step"]
         if work is not None:
