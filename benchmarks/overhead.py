@@ -131,7 +131,8 @@ def main() -> int:
             f"{r['arm']:<16}{r['median_step_ms']:>9.2f} ms{spread:>20}"
             f"{r['ratio_to_ddp']:>14.4f}{r['pooled_ratio_to_ddp']:>14.4f}"
         )
-    print(f"Pacer per-step hot path alone: {hot:.1f} us per step (begin, enter_sync, 1 bucket, arrive, done, end)")
+    calls = "begin, enter_sync, 1 bucket, arrive, done, end"
+    print(f"Pacer per-step hot path alone: {hot:.1f} us per step ({calls})")
     for r in rows:
         work = r["rank0_window_work_us_per_step"]
         if work is not None:
