@@ -106,6 +106,16 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+def _record_on_bed(spec: testbed.FabricSpec, demo_args: list[str], root: Path, name: str) -> Path:
+    """Run the demo on every node of the test bed (windows of 8 steps); its run directory."""
+    args = [*demo_args, "--root", str(root), "--name", name, "--pacing", "exchange_every_steps=8"]
+    with testbed.running(spec) as fabric:
+        outs = testbed.run_on_nodes(fabric, args, port=29530 + os.getpid() % 400, timeout_s=240)
+    assert all(o.returncode == 0 for o in outs), [o.stderr[-2000:] for o in outs]
+    (run_dir,) = (root / name).glob("version_*")
+    return run_dir
+
+
 def test_up_down_are_idempotent_and_shape_the_uplink():
     _require_root()
     prefix = _prefix()
@@ -214,12 +224,7 @@ def test_a_slow_port_in_a_four_node_ring_is_blamed_on_the_fabric_and_never_paced
         "--quiet",
         "--no-diagnosis",
     ]
-    args += ["--root", str(tmp_path), "--name", "ring", "--pacing", "mode=forced"]
-    args += ["--pacing", "exchange_every_steps=8"]
-    with testbed.running(spec) as fabric:
-        outs = testbed.run_on_nodes(fabric, args, port=29530 + os.getpid() % 400, timeout_s=240)
-    assert all(o.returncode == 0 for o in outs), [o.stderr[-2000:] for o in outs]
-    (run_dir,) = (tmp_path / "ring").glob("version_*")
+    run_dir = _record_on_bed(spec, [*args, "--pacing", "mode=forced"], tmp_path, "ring")
     steps = [s for s in read_run_record(run_dir).steps if not s["warmup"]]
     lead = sum(max(s["ranks"]["lead_ms"]) for s in steps)
     assert lead / len(steps) > 5.0  # ranks do wait on each other, at every step...
@@ -247,12 +252,7 @@ def test_a_node_under_a_cpu_quota_is_its_own_bursty_straggler(tmp_path):
     spec = testbed.FabricSpec(nodes=2, racks=1, uplink_mbit=10000, cpu_quota={1: 0.5}, prefix=prefix)
     args = ["--devices", "1", "--steps", "150", "--compute-ms", "0", "--hidden", "1024"]
     args += ["--batch-size", "128", "--straggler", "", "--quiet", "--no-diagnosis"]
-    args += ["--root", str(tmp_path), "--name", "quota", "--pacing", "mode=monitor"]
-    args += ["--pacing", "exchange_every_steps=8"]
-    with testbed.running(spec) as fabric:
-        outs = testbed.run_on_nodes(fabric, args, port=29530 + os.getpid() % 400, timeout_s=240)
-    assert all(o.returncode == 0 for o in outs), [o.stderr[-2000:] for o in outs]
-    (run_dir,) = (tmp_path / "quota").glob("version_*")
+    run_dir = _record_on_bed(spec, [*args, "--pacing", "mode=monitor"], tmp_path, "quota")
     host = read_run_record(run_dir).header["topology"][1]["host"]
     findings = diagnose_json(run_dir)["findings"]
     top = findings[0]
