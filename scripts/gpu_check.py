@@ -11,6 +11,10 @@ only its own checks:
 - ``paced_ddp_nccl``: Lightning ``paced_ddp`` on one GPU, NCCL, CUDA-event timing, run record written;
 - ``paced_fsdp``: Lightning ``paced_fsdp`` (FSDP2) on one GPU;
 - ``device_delay``: the pacing delay is a device-side spin: the stream waits, the host does not;
+- ``measured_delay``: a forced delay inside paced steps on a busy stream is recorded as measured, within
+  10% of the requested one, and the host is not blocked for it;
+- ``terminate_pending_mark``: ``terminate()`` returns promptly while the last steps' events sit behind a
+  30-second device spin (as behind a collective a dead peer never joins), and counts them;
 - ``gloo_ranks_share_gpu``: two gloo ranks on the same GPU, timed with CUDA events, pacing forced on;
 - ``parity_with_ddp``: those ranks end with bit-identical weights paced and with plain DDP;
 - ``run_record_and_diagnosis``: their run record reads back, summarizes and is diagnosed.
@@ -37,6 +41,8 @@ CHECKS: dict[str, str] = {
     "paced_ddp_nccl": "lightning_ddp",
     "paced_fsdp": "lightning_fsdp",
     "device_delay": "device_delay",
+    "measured_delay": "shutdown",
+    "terminate_pending_mark": "shutdown",
     "gloo_ranks_share_gpu": "gloo_ranks",
     "parity_with_ddp": "gloo_ranks",
     "run_record_and_diagnosis": "gloo_ranks",
@@ -129,6 +135,88 @@ def _device_delay(out: Path, steps: int) -> Result:
         f"{want_ms:g} ms delay: the stream waited {stream_ms:.1f} ms, the host call took {host_ms:.2f} ms"
     )
     return {"device_delay": ("PASS" if ok else "FAIL", detail)}
+
+
+# ------------------------------------------------------------------------------------- shutdown
+def _paced_steps(session: Any, steps: int, work: Any) -> float:
+    """``steps`` paced steps of GPU matmuls (forward, then "backward" after the first gradient);
+    returns the host milliseconds per step."""
+    pacer = session.pacer
+    started = time.perf_counter()
+    for step in range(steps):
+        pacer.begin_step(step)
+        work()
+        pacer.enter_sync(bucketed=False)  # the first gradient: the delay is enqueued here
+        work()
+        pacer.arrive()
+        pacer.sync_done()
+        session.end_step()
+    return (time.perf_counter() - started) * 1e3 / steps
+
+
+def _shutdown(out: Path, steps: int) -> Result:
+    import torch
+
+    from pace_strategy.core.config import PacingConfig
+    from pace_strategy.session import PacingSession
+    from pace_strategy.telemetry.run_record import read_run_record
+
+    if _on_cpu():
+        why = "rehearsal on CPU: no device stream to delay or to block"
+        return {"measured_delay": ("FAIL", why), "terminate_pending_mark": ("FAIL", why)}
+    device = torch.device("cuda", 0)
+    x = torch.randn(4096, 4096, device=device)
+
+    def work() -> None:
+        for _ in range(3):
+            torch.mm(x, x)
+
+    def session(path: Path) -> Any:
+        cfg = PacingConfig(mode="forced", exchange_every_steps=4, warmup_steps=0)
+        return PacingSession.start(
+            cfg, rank=0, world_size=1, device=device, group=None, framework="gpu_check", log_dir=path
+        )
+
+    results: Result = {}
+    want_ms = 20.0
+    timed = session(out / "delay")
+    timed.pacer._delay_ms = want_ms  # one rank has no lead to pace: force a delay directly
+    host_ms = _paced_steps(timed, 12, work)
+    timed.finish()
+    record = read_run_record(out / "delay")
+    # the first window's steps (one rank has no lead: after its first decision the delay is 0 again)
+    paced = [s for s in record.steps if s["ranks"]["delay_ms"][0]]
+    delays = sorted(s["ranks"]["delay_ms"][0] for s in paced)
+    median = delays[len(delays) // 2] if delays else 0.0
+    step_ms = sorted(s["step_ms"] or 0.0 for s in paced)[len(paced) // 2] if paced else 0.0
+    _check(
+        results,
+        "measured_delay",
+        bool(delays)
+        and abs(median - want_ms) <= 0.1 * want_ms
+        and step_ms > want_ms
+        and host_ms < want_ms / 2,
+        f"{want_ms:g} ms requested: measured {median:.2f} ms (median of {len(delays)}), device step "
+        f"{step_ms:.1f} ms, host {host_ms:.2f} ms per step",
+    )
+    stuck = session(out / "terminate")
+    _paced_steps(stuck, 5, work)
+    torch.cuda.synchronize()
+    clock = stuck.pacer.clock
+    torch.cuda._sleep(int(30_000 * clock.calibrate()))  # 30 s: what a collective with a dead peer does
+    _paced_steps(stuck, 3, work)  # their events sit behind the spin
+    started = time.perf_counter()
+    stuck.terminate("SIGTERM (gpu_check)")
+    took_s = time.perf_counter() - started
+    end = read_run_record(out / "terminate").end or {}
+    _check(
+        results,
+        "terminate_pending_mark",
+        took_s < 5.0 and end.get("status") == "terminated" and end.get("unresolved_steps_dropped", 0) >= 1,
+        f"terminate() took {took_s:.2f} s with the stream 30 s behind; end status {end.get('status')}, "
+        f"{end.get('unresolved_steps_dropped', 0)} unresolved steps dropped",
+    )
+    return results  # the child leaves with os._exit: nothing waits for the spin
 
 
 # ------------------------------------------------------------------------------------- gloo ranks
@@ -249,6 +337,7 @@ JOBS: dict[str, Callable[[Path, int], Result]] = {
     "lightning_ddp": lambda out, steps: _lightning("paced_ddp", out, steps),
     "lightning_fsdp": lambda out, steps: _lightning("paced_fsdp", out, steps),
     "device_delay": _device_delay,
+    "shutdown": _shutdown,
     "gloo_ranks": _gloo_ranks,
 }
 
