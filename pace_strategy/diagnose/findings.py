@@ -28,7 +28,7 @@ from pace_strategy.diagnose.run_stats import (
     UNEXPLAINED_CONFIDENCE,
     RunStats,
 )
-from pace_strategy.telemetry.run_record import hang_text
+from pace_strategy.telemetry.run_record import arrival_of, hang_text
 
 __all__ = ["MODES", "Diagnosis", "Finding", "Mode", "diagnose", "projection_text"]
 
@@ -82,7 +82,7 @@ def diagnose(
             f"{a.end.get('local_steps', 0)} more were measured on rank 0 only (local_step lines, not "
             "diagnosed)"
         )
-    if int(a.header.get("version", 1)) < 2:
+    if arrival_of(a.header) == "first_gradient":
         notes.append(
             "this record is of schema version 1: a DDP rank's arrival was its first gradient, so the rest "
             "of its backward counts as waiting here; a rank slow in backward looks on time in it"

@@ -208,7 +208,7 @@ def persistent_or_late_start(run: RunStats, explained: set[int]) -> list[Finding
         explained.add(r)
         how_late = (
             f"{late:.1f} ms late on average over those steps, weighted by the wait each caused (median "
-            f"{float(np.median(late_steps)):.1f} ms, p90 {float(np.percentile(late_steps, 90)):.1f} ms); "
+            f"{median_late:.1f} ms, p90 {float(np.percentile(late_steps, 90)):.1f} ms); "
             f"those steps hold {pct(loss_share)} of all the time the ranks lost waiting"
             if tail
             else f"{late:.1f} ms late at the median"

@@ -40,6 +40,7 @@ __all__ = [
     "RunRecordError",
     "RunRecordWriter",
     "RunSummary",
+    "arrival_of",
     "attempt_number",
     "attempt_records",
     "hang_text",
@@ -361,9 +362,14 @@ class RunRecord:
 
     @property
     def arrival(self) -> str:
-        """What a DDP rank's arrival is in this record: ``"end_of_backward"`` (schema 2 and later) or
-        ``"first_gradient"`` (schema 1: the rest of its backward is in ``wait_ms``)."""
-        return "end_of_backward" if self.version >= 2 else "first_gradient"
+        """What a DDP rank's arrival is in this record (:func:`arrival_of`)."""
+        return arrival_of(self.header)
+
+
+def arrival_of(header: Mapping[str, Any]) -> str:
+    """What a DDP rank's arrival is in a record with this header: ``"end_of_backward"`` (schema 2 and
+    later) or ``"first_gradient"`` (schema 1: the rest of its backward is in ``wait_ms``)."""
+    return "end_of_backward" if int(header.get("version", 1)) >= 2 else "first_gradient"
 
 
 def read_run_record(path: str | os.PathLike[str]) -> RunRecord:
