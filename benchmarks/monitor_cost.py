@@ -52,7 +52,7 @@ def _worker(rank: int, ranks: int, steps: int, store: str, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from pace_strategy.apps.job import build_net
-    from pace_strategy.apps.recipes import ModelRecipe
+    from pace_strategy.apps.recipes import ModelRecipe, leave_without_finalization
     from pace_strategy.core import HostClock, Pacer, PacingConfig
     from pace_strategy.hooks.ddp import attach_paced_ddp
 
@@ -102,6 +102,9 @@ def _worker(rank: int, ranks: int, steps: int, store: str, out: str) -> None:
     gc.collect()  # the grad-ready monitor's hooks hold its model in a cycle: free DDP before teardown
     dist.barrier()
     dist.destroy_process_group()
+    # a spawned worker whose results are on disk: skip finalization (torch's gloo shutdown abort,
+    # docs/hazards.md)
+    leave_without_finalization(0)
 
 
 def _difference(base: list[float], arm: list[float], blocks: int) -> tuple[float, float]:

@@ -91,7 +91,7 @@ def _worker(rank: int, job: Job) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     from pace_strategy.apps.job import build_net
-    from pace_strategy.apps.recipes import ModelRecipe
+    from pace_strategy.apps.recipes import ModelRecipe, leave_without_finalization
     from pace_strategy.core import PacingConfig
     from pace_strategy.hooks.ddp import attach_paced_ddp
     from pace_strategy.session import PacingSession
@@ -181,6 +181,9 @@ def _worker(rank: int, job: Job) -> None:
             json.dumps({"times": times, "paced_delay": paced_delay, "barrier_ms": barrier_ms, "diff": diff})
         )
     dist.destroy_process_group()
+    # a spawned worker whose results are on disk: skip finalization (torch's gloo shutdown abort,
+    # docs/hazards.md)
+    leave_without_finalization(0)
 
 
 def _barrier_ms(group: Any, n: int = 200) -> float:

@@ -28,6 +28,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
+from pace_strategy.apps.recipes import leave_without_finalization
 from pace_strategy.integrations.lightning import PacedDDPStrategy
 
 #: steps of every fit: 2 epochs with 2 processes, 1 with one
@@ -212,3 +213,4 @@ def main(phase: str, base: Path, out: Path) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]).resolve(), Path(sys.argv[3]).resolve())
+    leave_without_finalization(0)  # torch's gloo shutdown abort: docs/hazards.md

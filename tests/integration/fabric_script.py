@@ -25,6 +25,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
 
+from pace_strategy.apps.recipes import leave_without_finalization
 from pace_strategy.integrations.fabric import PacedFabricDDPStrategy, finish_pacing
 
 SLOW_RANK, SLOW_MS, ACCUMULATE, BATCH = 1, 30, 2, 4
@@ -96,3 +97,4 @@ def single(out: Path) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     (single if sys.argv[2:] == ["single"] else main)(Path(sys.argv[1]))
+    leave_without_finalization(0)  # torch's gloo shutdown abort: docs/hazards.md

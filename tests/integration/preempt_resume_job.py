@@ -25,6 +25,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
+from pace_strategy.apps.recipes import leave_without_finalization
 from pace_strategy.integrations.lightning import PacedDDPStrategy
 
 #: a checkpoint every this many steps (file ``step=N.ckpt``)
@@ -100,3 +101,4 @@ def main(phase: str, root: Path, ckpt: str | None) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
+    leave_without_finalization(0)  # torch's gloo shutdown abort: docs/hazards.md

@@ -10,6 +10,7 @@ late before that point is waited for there.) Rank 0 prints the Trainer's callbac
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -64,3 +65,8 @@ def main(out: str, max_steps: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]))
+    # torch's gloo shutdown abort (docs/hazards.md): the documented workaround, inline, since this
+    # script must not import pace_strategy (leave_without_finalization)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
