@@ -384,6 +384,13 @@ class UserCommHook:
     hook: CommHook | None = None
     wrapper: CommHookWrapper | None = None
 
+    @classmethod
+    def take(cls, arguments: MutableMapping[str, Any]) -> UserCommHook:
+        """The hook named in a ``DDPStrategy``'s bound ``arguments``, removed from them."""
+        return cls(
+            *(arguments.pop(name, None) for name in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper"))
+        )
+
     def inner_hook(self) -> CommHook | None:
         """The hook that does the communication: ``wrapper(hook)`` when both are given."""
         if self.hook is not None and self.wrapper is not None:

@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.hooks.ddp import attach_paced_ddp
+from pace_strategy.integrations._arguments import parent_arguments
 from pace_strategy.integrations._lightning_mixins import StrategyRegistry, register_paced_ddp
 from pace_strategy.integrations._lightning_pacing import PacingArg, as_pacing_config
 from pace_strategy.integrations.accelerate.env import RUN_DIR_ENV, run_dir_from_env
@@ -211,15 +212,20 @@ class PacedFabricDDPStrategy(DDPStrategy):
             defaults; validated here, before any process starts.
         run_dir: the run record's directory (rank 0). Default: the first Fabric logger's
             ``log_dir``, else ``$PACE_RUN_DIR``, else no record (an explicit ``run_dir`` wins).
-        **kwargs: ``DDPStrategy``'s other arguments (those it does not name go to
-            ``DistributedDataParallel``).
+        *args, **kwargs: ``DDPStrategy``'s arguments, in its positions (those it does not name go
+            to ``DistributedDataParallel``).
     """
 
     def __init__(
-        self, *, pacing: PacingArg = None, run_dir: str | os.PathLike[str] | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        pacing: PacingArg = None,
+        run_dir: str | os.PathLike[str] | None = None,
+        **kwargs: Any,
     ) -> None:
+        named = parent_arguments(DDPStrategy.__init__, args, kwargs)  # DDPStrategy's positions
         self.pacing = FabricPacing(as_pacing_config(pacing), run_dir)
-        super().__init__(**kwargs)
+        super().__init__(**named)
 
     @property
     def pacing_config(self) -> PacingConfig:

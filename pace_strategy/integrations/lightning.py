@@ -12,16 +12,15 @@ pace_strategy`` imports it as soon as ``lightning.pytorch`` is imported.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, StrategyRegistry
 from torch import nn
 
-from pace_strategy.hooks.ddp import CommHook
+from pace_strategy.integrations._arguments import parent_arguments
 from pace_strategy.integrations._lightning_fsdp import FSDPSharding
 from pace_strategy.integrations._lightning_mixins import PacedDDPMixin, PacedFSDPMixin
 from pace_strategy.integrations._lightning_pacing import (
-    CommHookWrapper,
     PacingArg,
     RunDirArg,
     StrategyPacing,
@@ -41,29 +40,24 @@ class PacedDDPStrategy(PacedDDPMixin, DDPStrategy):
             ``log_dir``, else ``$PACE_RUN_DIR``, else none is written (``logger=False``). With one
             process, a run directory (this or ``$PACE_RUN_DIR``) is what turns monitoring on; under
             ``fast_dev_run`` nothing is written at all.
-        ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper: a DDP communication hook, as
-            ``DDPStrategy`` takes it (keyword only). It is registered on every device (stock
-            Lightning drops it on CPU) and keeps doing the communication.
-        *args, **kwargs: ``DDPStrategy``'s other arguments.
+        *args, **kwargs: ``DDPStrategy``'s arguments, in its positions (a drop-in:
+            ``PacedDDPStrategy(accelerator)`` as ``DDPStrategy(accelerator)``). A DDP communication
+            hook among them (``ddp_comm_state``, ``ddp_comm_hook``, ``ddp_comm_wrapper``) is
+            registered on every device (stock Lightning drops it on CPU) and keeps doing the
+            communication.
     """
 
     strategy_name = "paced_ddp"
 
     def __init__(
-        self,
-        *,
-        pacing: PacingArg = None,
-        run_dir: RunDirArg = None,
-        ddp_comm_state: object = None,
-        ddp_comm_hook: CommHook | None = None,
-        ddp_comm_wrapper: CommHookWrapper | None = None,
-        **kwargs: Any,
+        self, *args: Any, pacing: PacingArg = None, run_dir: RunDirArg = None, **kwargs: Any
     ) -> None:
+        named = parent_arguments(DDPStrategy.__init__, args, kwargs)  # DDPStrategy's positions
         self.pacing = StrategyPacing(pacing, self, run_dir)
-        self.user_comm_hook = UserCommHook(ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
+        self.user_comm_hook = UserCommHook.take(named)
         # No hook for Lightning (configure_ddp registers it); the state still goes there, for its
         # post-localSGD model averaging.
-        super().__init__(ddp_comm_state=ddp_comm_state, **kwargs)
+        super().__init__(ddp_comm_state=self.user_comm_hook.state, **named)
 
 
 class PacedFSDPStrategy(PacedFSDPMixin, ModelParallelStrategy):
@@ -79,37 +73,34 @@ class PacedFSDPStrategy(PacedFSDPMixin, ModelParallelStrategy):
         run_dir: the run record's directory, as for :class:`PacedDDPStrategy`.
         auto_shard_min_params: parameters a block must hold to become its own shard group.
         auto_shard_classes: module classes that are each a shard group (overrides the size rule).
-        data_parallel_size: FSDP shard dimension; ``"auto"`` = world size / tensor parallel size.
-        tensor_parallel_size: ``"auto"`` means 1 here (pure data parallelism).
-        **kwargs: ``ModelParallelStrategy``'s other arguments.
+        *args, **kwargs: ``ModelParallelStrategy``'s arguments, in its positions:
+            ``data_parallel_size`` (the FSDP shard dimension; ``"auto"`` = world size / tensor
+            parallel size), ``tensor_parallel_size`` (``"auto"`` means 1 here: pure data
+            parallelism), and the rest.
     """
 
     strategy_name = "paced_fsdp"
 
     def __init__(
         self,
-        *,
+        *args: Any,
         pacing: PacingArg = None,
         run_dir: RunDirArg = None,
         auto_shard_min_params: int = 100_000,
         auto_shard_classes: Sequence[type[nn.Module]] = (),
-        data_parallel_size: int | Literal["auto"] = "auto",
-        tensor_parallel_size: int | Literal["auto"] = "auto",
         **kwargs: Any,
     ) -> None:
+        named = parent_arguments(ModelParallelStrategy.__init__, args, kwargs)  # its positions
         self.pacing = StrategyPacing(pacing, self, run_dir)
         self.sharding = FSDPSharding(
             self,
             min_params=auto_shard_min_params,
             module_classes=auto_shard_classes,
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=named.get("data_parallel_size", "auto"),
+            tensor_parallel_size=named.get("tensor_parallel_size", "auto"),
         )
-        super().__init__(
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=self.sharding.tensor_parallel_size,
-            **kwargs,
-        )
+        named["tensor_parallel_size"] = self.sharding.tensor_parallel_size
+        super().__init__(**named)
 
 
 def register_lightning_strategies() -> None:

@@ -10,16 +10,15 @@ their constructors are this package's. Importing this module registers the strat
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 from pytorch_lightning.strategies import DDPStrategy, ModelParallelStrategy, StrategyRegistry
 from torch import nn
 
-from pace_strategy.hooks.ddp import CommHook
+from pace_strategy.integrations._arguments import parent_arguments
 from pace_strategy.integrations._lightning_fsdp import FSDPSharding
 from pace_strategy.integrations._lightning_mixins import PacedDDPMixin, PacedFSDPMixin
 from pace_strategy.integrations._lightning_pacing import (
-    CommHookWrapper,
     PacingArg,
     RunDirArg,
     StrategyPacing,
@@ -36,18 +35,14 @@ class PacedDDPStrategy(PacedDDPMixin, DDPStrategy):
     strategy_name = "paced_ddp"
 
     def __init__(
-        self,
-        *,
-        pacing: PacingArg = None,
-        run_dir: RunDirArg = None,
-        ddp_comm_state: object = None,
-        ddp_comm_hook: CommHook | None = None,
-        ddp_comm_wrapper: CommHookWrapper | None = None,
-        **kwargs: Any,
+        self, *args: Any, pacing: PacingArg = None, run_dir: RunDirArg = None, **kwargs: Any
     ) -> None:
+        named = parent_arguments(DDPStrategy.__init__, args, kwargs)  # DDPStrategy's positions
         self.pacing = StrategyPacing(pacing, self, run_dir)
-        self.user_comm_hook = UserCommHook(ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper)
-        super().__init__(ddp_comm_state=ddp_comm_state, **kwargs)  # the hook: configure_ddp
+        self.user_comm_hook = UserCommHook.take(named)
+        # No hook for Lightning (configure_ddp registers it); the state still goes there, for its
+        # post-localSGD model averaging.
+        super().__init__(ddp_comm_state=self.user_comm_hook.state, **named)
 
 
 class PacedFSDPStrategy(PacedFSDPMixin, ModelParallelStrategy):
@@ -58,28 +53,24 @@ class PacedFSDPStrategy(PacedFSDPMixin, ModelParallelStrategy):
 
     def __init__(
         self,
-        *,
+        *args: Any,
         pacing: PacingArg = None,
         run_dir: RunDirArg = None,
         auto_shard_min_params: int = 100_000,
         auto_shard_classes: Sequence[type[nn.Module]] = (),
-        data_parallel_size: int | Literal["auto"] = "auto",
-        tensor_parallel_size: int | Literal["auto"] = "auto",
         **kwargs: Any,
     ) -> None:
+        named = parent_arguments(ModelParallelStrategy.__init__, args, kwargs)  # its positions
         self.pacing = StrategyPacing(pacing, self, run_dir)
         self.sharding = FSDPSharding(
             self,
             min_params=auto_shard_min_params,
             module_classes=auto_shard_classes,
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=named.get("data_parallel_size", "auto"),
+            tensor_parallel_size=named.get("tensor_parallel_size", "auto"),
         )
-        super().__init__(
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=self.sharding.tensor_parallel_size,
-            **kwargs,
-        )
+        named["tensor_parallel_size"] = self.sharding.tensor_parallel_size
+        super().__init__(**named)
 
 
 def register_pytorch_lightning_strategies() -> None:

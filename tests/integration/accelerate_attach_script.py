@@ -1,5 +1,6 @@
 """Run by test_accelerate.py under ``accelerate launch`` (2 CPU processes): attach, attach twice, train,
-detach, train, attach again, finish; then the comm-hook monitor. Writes OUT_DIR/result_RANK.json.
+detach, train, attach again, finish; then the comm-hook monitor; last, attach and end with
+``accelerator.end_training()`` alone. Writes OUT_DIR/result_RANK.json.
 
     accelerate launch ... accelerate_attach_script.py OUT_DIR
 """
@@ -74,7 +75,15 @@ def main(out: str) -> dict[str, Any]:
     epoch(accelerator, *objects)  # DDP keeps the comm hook: it only communicates now
     result["steps_comm"] = paced.steps
     result["after_comm"] = hooks(*objects)
+
+    # No with, no finish: the script ends with end_training, as Accelerate's examples do. 4 steps
+    # and a window of 3: the last step is measured after the last exchange.
+    ends = config.replace(exchange_every_steps=3)
+    ended = attach_pacing(accelerator, model, ends, run_dir=os.path.join(out, "ended"))
+    epoch(accelerator, *objects)
+    result["steps_ended"] = ended.steps
     accelerator.end_training()
+    result["after_end"] = hooks(*objects)
     return result
 
 

@@ -139,3 +139,7 @@ def test_the_handle_removes_every_hook_it_registered(tmp_path):
     assert first.end["status"] == "detached"
     assert again.end["status"] == "completed" and [s["step"] for s in again.steps] == [0, 1, 2, 3]
     assert comm.end["status"] == "completed" and comm.header["config"]["ddp_monitor"] == "comm_hook"
+    # end_training without finish: the last window (step 3, after the exchange at step 2) is kept
+    assert all(r["steps_ended"] == 4 and r["after_end"] == r["before"] for r in results)
+    ended = read_run_record(tmp_path / "run" / "ended")
+    assert ended.end["status"] == "completed" and [s["step"] for s in ended.steps] == [0, 1, 2, 3]

@@ -8,6 +8,7 @@ import inspect
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from subprocess import PIPE
 
 import pytest
@@ -163,3 +164,84 @@ def test_the_user_comm_hook_and_its_wrapper_are_kept_for_configure_ddp():
     assert strategy.user_comm_hook.inner_hook() == "the wrapped hook" and wrapped == [hook]
     assert adapter.PacedDDPStrategy(ddp_comm_hook=hook).user_comm_hook.inner_hook() is hook
     assert adapter.PacedDDPStrategy().user_comm_hook.inner_hook() is None
+
+
+def _drop_in_arguments(parent):
+    """A distinct value for every parameter ``parent.__init__`` takes positionally, in order."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    values = {
+        "accelerator": "cpu-accelerator",
+        "parallel_devices": [torch.device("cpu")] * 3,
+        "cluster_environment": LightningEnvironment(),
+        "checkpoint_io": "checkpoint-io",
+        "precision_plugin": "precision",
+        "precision": "precision",
+        "ddp_comm_state": "state",
+        "ddp_comm_hook": "hook",
+        "ddp_comm_wrapper": "wrapper",
+        "model_averaging_period": 7,
+        "process_group_backend": "gloo",
+        "timeout": timedelta(seconds=77),
+        "start_method": "spawn",
+        "data_parallel_size": 3,
+        "tensor_parallel_size": 1,
+        "save_distributed_checkpoint": False,
+    }
+    params = list(inspect.signature(parent.__init__).parameters.values())[1:]
+    positional = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    return positional, [values[name] for name in positional]
+
+
+def _state(strategy):
+    """What a strategy's constructor stored, less what pacing adds and the comm hook (which the paced
+    strategy registers itself instead of handing to Lightning)."""
+    skip = {"pacing", "user_comm_hook", "sharding", "_ddp_comm_hook", "_ddp_comm_wrapper"}
+    skip.add("_tensor_parallel_size")  # "auto" is 1 for paced_fsdp: pure data parallelism
+    plain = (str, int, float, bool, type(None), list, timedelta)
+    return {
+        k: (v if isinstance(v, plain) else type(v).__name__)  # objects each constructor makes anew
+        for k, v in vars(strategy).items()
+        if k not in skip
+    }
+
+
+def _paced_and_parent():
+    import lightning.fabric.strategies as fabric_strategies
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    from pace_strategy.integrations.fabric import PacedFabricDDPStrategy
+
+    pairs = [
+        (adapter.PacedDDPStrategy, DDPStrategy),
+        (adapter.PacedFSDPStrategy, ModelParallelStrategy),
+        (PacedFabricDDPStrategy, fabric_strategies.DDPStrategy),
+    ]
+    try:
+        import pytorch_lightning as standalone
+
+        from pace_strategy.integrations import pytorch_lightning as standalone_adapter
+    except ImportError:
+        return pairs
+    pairs += [
+        (standalone_adapter.PacedDDPStrategy, standalone.strategies.DDPStrategy),
+        (standalone_adapter.PacedFSDPStrategy, standalone.strategies.ModelParallelStrategy),
+    ]
+    return pairs
+
+
+@pytest.mark.parametrize(("paced", "parent"), _paced_and_parent(), ids=lambda c: c.__module__ + c.__name__)
+def test_a_paced_strategy_takes_its_parent_s_arguments_in_the_same_positions(paced, parent):
+    names, args = _drop_in_arguments(parent)
+    assert len(names) >= 2  # every parent takes several positionally; all of them are given here
+    for count in (1, len(args)):  # the first alone (PacedDDPStrategy(accelerator)), then all
+        plain, ours = parent(*args[:count]), paced(*args[:count], pacing={"max_delay_ms": 5.0})
+        assert _state(ours) == _state(plain), names[:count]
+        assert ours.pacing_config.max_delay_ms == 5.0
+    if hasattr(ours, "user_comm_hook"):  # given positionally, the hook is still the paced strategy's
+        assert (ours.user_comm_hook.state, ours.user_comm_hook.hook) == ("state", "hook")
+        assert ours.user_comm_hook.wrapper == "wrapper" and ours._ddp_comm_state == "state"
+    with pytest.raises(TypeError, match="positional"):
+        paced(*args, "one too many")
+    with pytest.raises(TypeError, match="multiple values"):
+        paced(args[0], **{names[0]: args[0]})

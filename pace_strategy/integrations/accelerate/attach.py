@@ -163,8 +163,8 @@ class PacingHandle:
 
     def finish(self) -> None:
         """End of training, on every rank (collective): exchange the last steps, close the run record,
-        then :meth:`detach`. Call it before ``accelerator.end_training()``, which ends the trackers
-        the last steps are logged to and the process group. Idempotent."""
+        then :meth:`detach`. ``accelerator.end_training()`` calls it first (it ends the trackers the
+        last steps are logged to and the process group). Idempotent."""
         try:
             if self.session is not None:
                 self.session.finish()
@@ -209,11 +209,12 @@ def attach_pacing(
 ) -> PacingHandle:
     """Monitor and pace ``model``, the DDP or FSDP2 model ``accelerator.prepare(...)`` returned.
 
-    Call it after ``prepare`` on every rank (collective: it starts the session), and end with
-    ``handle.finish()`` on every rank, before ``accelerator.end_training()`` (or use the handle as a
-    context manager). Attaching to a model that is already attached raises; ``detach()`` first.
-    Under ``pace launch`` the model is attached right after ``prepare`` (zero-code pacing); this
-    call then returns that handle, or, given any argument below, replaces it.
+    Call it after ``prepare`` on every rank (collective: it starts the session). End with
+    ``handle.finish()`` on every rank, or the handle as a context manager, or just
+    ``accelerator.end_training()`` (it finishes the handle first). Attaching to a model that is
+    already attached raises; ``detach()`` first. Under ``pace launch`` the model is attached right
+    after ``prepare`` (zero-code pacing); this call then returns that handle, or, given any argument
+    below, replaces it.
 
     Args:
         config: the pacing configuration; without it, the ``PACE_*`` variables (``pace launch`` sets
@@ -285,7 +286,29 @@ def attach_pacing(
         handle.detach()
         raise
     _handle_sigterm(handle, session)
+    _finish_before_end_training(handle, accelerator)
     return handle
+
+
+def _finish_before_end_training(handle: PacingHandle, accelerator: Any) -> None:
+    """``accelerator.end_training()`` finishes the handle first: a script that ends the way Accelerate's
+    examples end (no ``with``, no ``finish()``) loses no step. ``end_training`` runs on every rank, so
+    the last exchange is safe there, and it has to come first: ``end_training`` ends the trackers the
+    last steps go to and the process group. Only this accelerator's method is wrapped (an instance
+    attribute, removed by :meth:`PacingHandle.detach`)."""
+    end_training = accelerator.end_training
+
+    @functools.wraps(end_training)
+    def paced_end_training(*args: Any, **kwargs: Any) -> Any:
+        handle.finish()
+        return end_training(*args, **kwargs)
+
+    def restore() -> None:
+        if vars(accelerator).get("end_training") is paced_end_training:
+            del accelerator.end_training
+
+    accelerator.end_training = paced_end_training
+    handle._undo.append(restore)
 
 
 def _handle_sigterm(handle: PacingHandle, session: PacingSession) -> None:
