@@ -76,6 +76,11 @@ class _OpenStep:
     handoffs: int = 0
     #: (hand-off, completion) marks of each collective timed on its own (FSDP); empty for DDP buckets
     collectives: list[tuple[Any, Any]] = field(default_factory=list)
+    #: (entry, exit, where) of each blocking collective the framework ran outside the gradient sync
+    #: (:meth:`Pacer.enter_framework_sync`); ``where`` is the field its time is taken from
+    #: (``GAP_MS``: before the step began, ``COMPUTE_MS``: before the first gradient, ``OPT_MS``:
+    #: after the gradient sync)
+    framework_syncs: list[tuple[Any, Any, Field]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,7 @@ class Pacer:
         self._prev_end: Any | None = None
         self._prev_done: Any | None = None
         self._pending_data_ms = 0.0
+        self._pending_syncs: list[tuple[Any, Any, Field]] = []  # framework syncs before begin_step
         self._steps_seen = 0
         #: where this rank is, for the hang watchdog's thread (one int store per event, no lock):
         #: ``3 * steps ended + phase``, phase 0 between steps, 1 step begun, 2 arrived at its sync point
@@ -177,8 +183,10 @@ class Pacer:
             begin=now,
             prev_done=self._prev_done,
             data_ms=self._pending_data_ms,
+            framework_syncs=self._pending_syncs,
         )
         self._pending_data_ms = 0.0
+        self._pending_syncs = []
         if self.gc_sync is not None:  # inside the open step: its pause is counted in this step's gc_ms
             self.gc_sync.begin_step(self._steps_seen, step)
         self.progress_step = step
@@ -247,9 +255,11 @@ class Pacer:
 
     def interrupt(self) -> None:
         """Something other than training ran since the last step (validation, checkpointing): the next
-        step's start is not contiguous with the previous step's end."""
+        step's start is not contiguous with the previous step's end, and the framework collectives
+        since that end (evaluation's gathers) belong to no step."""
         self._prev_end = None
         self._prev_done = None
+        self._pending_syncs = []
 
     def enter_sync(self, bucketed: bool = True) -> None:
         """The step's first gradient is ready (or its first bucket, or its first FSDP collective, is
@@ -324,6 +334,33 @@ class Pacer:
         end = self.clock.mark()
         step.collectives.append((start, end))
         step.done = end
+
+    def enter_framework_sync(self) -> Any:
+        """The framework is about to run a blocking collective of its own outside the gradient sync
+        (the HF Trainer's pre-step gather of the label count; a broadcast of a stop flag). Returns the
+        mark for :meth:`exit_framework_sync`.
+
+        Such a collective is a sync point too: a rank that reaches it late makes the others wait
+        there, and then they all enter the gradient sync together, so the lateness would be invisible
+        at the gradient sync. Its time counts as **wait** (``WAIT_MS``) of the step it belongs to,
+        and is taken out of where it was spent (``GAP_MS`` when before the step began, the next
+        step's; ``COMPUTE_MS`` before the first gradient; ``OPT_MS`` after the gradient sync), so
+        that each rank's wait is the sum of its waits at every sync point of the step and the rank
+        that waited least is the one the others waited for, wherever the framework put the barrier.
+        """
+        return self.clock.mark()
+
+    def exit_framework_sync(self, start: Any) -> None:
+        """The framework collective entered at ``start`` has completed (on CUDA: the mark is enqueued on
+        the stream that waits for it)."""
+        end = self.clock.mark()
+        step = self._open
+        if step is None:
+            self._pending_syncs.append((start, end, Field.GAP_MS))
+        elif step.ready is None:
+            step.framework_syncs.append((start, end, Field.COMPUTE_MS))
+        else:
+            step.framework_syncs.append((start, end, Field.OPT_MS))
 
     def sync_done(self) -> None:
         """Every gradient collective of the open step has completed (on CUDA: the mark is enqueued on a
@@ -443,6 +480,7 @@ class Pacer:
         """Whether every mark of step ``s`` has happened (never blocks)."""
         marks = [s.start, s.begin, s.prev_done, s.ready, s.entered, s.arrival, s.done, s.end]
         marks += [m for pair in s.collectives for m in pair]
+        marks += [m for start, end, _ in s.framework_syncs for m in (start, end)]
         return all(self.clock.ready(m) for m in marks if m is not None)
 
     # ------------------------------------------------------------------ checkpointing
@@ -519,6 +557,11 @@ class Pacer:
         row[Field.SAMPLES] = float(s.samples)
         row[Field.GC_DUE] = s.gc_due
         row[Field.OPT_MS] = el(s.done, s.end) if seen else 0.0
+        if seen:
+            for start, end, where in s.framework_syncs:
+                blocked = el(start, end)
+                row[Field.WAIT_MS] += blocked
+                row[where] = max(row[where] - blocked, 0.0)
         return row
 
     def _decide(self, gathered: torch.Tensor) -> WindowResult:

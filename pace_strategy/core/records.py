@@ -25,6 +25,10 @@ class Field(enum.IntEnum):
     #: DDP: arrival (end of local backward) -> completion of the step's last gradient collective; the
     #: smallest over the ranks is the transfer time, what is exposed once the last rank finished.
     #: FSDP: the sum over the step's all-gathers and reduce-scatters of hand-off -> completion.
+    #: Both: plus the time blocked in the framework's own collectives outside the gradient sync
+    #: (``Pacer.enter_framework_sync``: the HF Trainer's pre-step gather), taken out of the field the
+    #: time was spent in (``GAP_MS``, ``COMPUTE_MS`` or ``OPT_MS``): a step's wait is the sum of its
+    #: waits at every sync point.
     WAIT_MS = 4
     DELAY_MS = 5  #: pacing delay applied at the first gradient, before the first gradient collective
     STEP_MS = 6  #: wall time of the step on this rank (start -> after the optimizer step)

@@ -95,6 +95,15 @@ class PacingCallback(TrainerCallback):
             metrics_sink=self._tags.write,
             rebalance_loop=trainer_loop(self.trainer, args),
         )
+        time_trainer_syncs(self.handle)
+
+    @override
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # Evaluation ran between two steps: its collectives are not the next step's sync points.
+        if self.handle is not None and self.handle.session is not None:
+            self.handle.session.pacer.interrupt()
 
     @override
     def on_train_end(
@@ -127,6 +136,25 @@ class PacingCallback(TrainerCallback):
             return Path(self.run_dir)
         log_dir = self._tags.log_dir()  # rank 0, where the Trainer writes TensorBoard events
         return Path(log_dir) if log_dir else run_dir_from_env() or Path(args.output_dir or ".")
+
+
+def time_trainer_syncs(handle: PacingHandle) -> None:
+    """Time the Trainer's own collectives as sync points of the step (see
+    :mod:`pace_strategy.hooks.framework_sync`).
+
+    Besides the gradient sync, the Trainer blocks in collectives of its own on every step: before
+    it, for a model that takes loss kwargs (``num_items_in_batch``) with
+    ``average_tokens_across_devices``, it gathers the step's label count from every rank; after it,
+    every ``logging_steps``, it gathers the loss. That is where the ranks wait for one that starts
+    its step late (the others are blocked there, then all enter backward together), so their time
+    counts as wait. Collectives of evaluation are dropped (:meth:`PacingCallback.on_evaluate`).
+    Undone by the handle's ``detach``."""
+    session = handle.session
+    if session is None:
+        return
+    from pace_strategy.hooks.framework_sync import time_framework_syncs
+
+    handle._undo.append(time_framework_syncs(session.pacer, session.pacer.exchange.group))
 
 
 def trainer_loop(trainer: Any, args: Any) -> RebalanceLoop:

@@ -3,7 +3,7 @@ launch` with a pacing_config section (paced, telemetry in the script's own Tenso
 plain `accelerate launch` (left alone). An Accelerate loop with gradient accumulation and a
 transformers.Trainer (tiny BERT from a config, report_to tensorboard, gradient accumulation 2).
 
-The three launches start together (module fixture) and overlap: most of their time is imports.
+The four launches start together (module fixture) and overlap: most of their time is imports.
 Explicit attach_pacing under `pace launch` (taking over the automatic attach) runs in
 tests/integration/test_accelerate.py, whose recipe calls it; the parts are unit-tested in
 tests/unit/test_zero_code.py and tests/unit/test_pacing_callback.py."""
@@ -50,6 +50,13 @@ LAUNCHES = {
         "zero_code_trainer_script.py",
         "8",
         {},
+    ),
+    "trainer-late": (
+        PACE,
+        ACCELERATE_CPU_CONFIG.format(kind="MULTI_CPU") + PACING,
+        "zero_code_trainer_script.py",
+        "8",
+        {"ZERO_CODE_TRAINER_MODE": "late"},
     ),
 }
 
@@ -150,3 +157,16 @@ def test_an_unchanged_trainer_script_gets_pace_tags_in_its_tensorboard_logs(laun
     assert sorted(scalars["train/loss"]) == list(range(1, 9))
     assert all(sorted(scalars[tag]) == list(range(1, 9)) for tag in TAGS)
     assert statistics.median(scalars["pace/straggler_rank"].values()) == 1.0
+
+
+def test_a_rank_late_to_the_trainer_s_pre_step_gather_is_the_straggler(launches):
+    # Rank 1 starts each step 40 ms late; rank 0 waits for it in the Trainer's label-count gather
+    # before the step, and both reach the gradient sync together. The gather is timed as a sync
+    # point of the step: rank 0's wait there is its wait, so rank 1 is named.
+    launch = launches["trainer-late"]
+    launch.result()
+    (log_dir,) = (launch.out / "runs").iterdir()
+    record = read_run_record(log_dir)
+    check_straggler(record, 8)
+    early = [s["ranks"]["wait_ms"][0] - s["ranks"]["wait_ms"][1] for s in record.steps if not s["warmup"]]
+    assert statistics.median(early) > 25.0  # rank 0 waited, at the gather, for rank 1

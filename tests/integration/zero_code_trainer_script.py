@@ -3,9 +3,10 @@
     accelerate launch ... zero_code_trainer_script.py OUT_DIR MAX_STEPS
 
 A tiny BERT built from a config (nothing downloaded), TensorBoard reporting, gradient accumulation
-2; rank 1 sleeps 20 ms in every forward, 40 ms per optimizer step. (In the model, not in a callback:
-the Trainer gathers each step's label count across ranks after loading the step's batches, so a rank
-late before that point is waited for there.) Rank 0 prints the Trainer's callbacks.
+2; rank 1 sleeps 20 ms in every forward, 40 ms per optimizer step. With ZERO_CODE_TRAINER_MODE=late
+rank 1 sleeps 40 ms after each optimizer step instead: it starts each step late, and since the
+Trainer gathers each step's label count across ranks after loading the step's batches, rank 0 waits
+for it there, not at the gradient sync. Rank 0 prints the Trainer's callbacks.
 """
 
 from __future__ import annotations
@@ -16,14 +17,30 @@ import time
 
 import torch
 import torch.distributed as dist
-from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+#: ``late``: rank 1 is late to start each step instead (40 ms of its own work after each optimizer
+#: step), and so late to the Trainer's pre-step label-count gather, where rank 0 waits for it
+LATE_START = os.environ.get("ZERO_CODE_TRAINER_MODE") == "late"
 
 
 class SlowOnRank1(BertForSequenceClassification):
     def forward(self, input_ids=None, labels=None, **kwargs):  # names: the Trainer keeps these columns
-        if dist.get_rank() == 1:
+        if dist.get_rank() == 1 and not LATE_START:
             time.sleep(0.02)
         return super().forward(input_ids=input_ids, labels=labels, **kwargs)
+
+
+class LateStartOnRank1(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if dist.get_rank() == 1:
+            time.sleep(0.04)
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -56,7 +73,8 @@ def main(out: str, max_steps: int) -> None:
         use_cpu=True,
         disable_tqdm=True,
     )
-    trainer = Trainer(model=SlowOnRank1(config), args=args, train_dataset=Tokens())
+    callbacks = [LateStartOnRank1()] if LATE_START else []
+    trainer = Trainer(model=SlowOnRank1(config), args=args, train_dataset=Tokens(), callbacks=callbacks)
     trainer.train()
     if trainer.is_world_process_zero():
         names = [type(c).__name__ for c in trainer.callback_handler.callbacks]

@@ -222,3 +222,70 @@ def test_the_cuda_spin_rescales_from_measured_delays_without_a_host_sync():
     assert clock._cycles_per_ms == 1000.0
     clock.observe_delay(4.0, 5.0)  # the spin ran 25% long (SM clocks dropped): fewer cycles per ms
     assert clock._cycles_per_ms == 800.0
+
+
+def _framework_sync_rank(before_gather_ms, gather_ms, steps=3):
+    """One rank's window: ``before_gather_ms`` of its own work after each step, then a framework
+    collective outside the gradient sync (the HF Trainer's pre-step gather) that it is blocked in for
+    ``gather_ms``, then the step: 30 ms to the end of backward, 1 ms gradient wait, 2 ms optimizer."""
+    clock = ManualClock()
+    pacer = Pacer(PacingConfig(exchange_every_steps=steps, warmup_steps=0), None, 0, 1, clock)
+    window = None
+    for step in range(steps + 1):
+        clock.advance(before_gather_ms)
+        start = pacer.enter_framework_sync()
+        clock.advance(gather_ms)
+        pacer.exit_framework_sync(start)  # before begin_step: the next step's, taken from its gap
+        pacer.begin_step(step)
+        clock.advance(10.0)
+        pacer.enter_sync(bucketed=False)
+        clock.advance(20.0)
+        pacer.arrive()
+        clock.advance(1.0)
+        pacer.sync_done()
+        clock.advance(2.0)
+        window = pacer.end_step() or window
+    assert window is not None
+    return window
+
+
+def test_a_framework_collective_outside_the_gradient_sync_counts_as_wait():
+    from pace_strategy.core.skew import window_stats
+
+    early = _framework_sync_rank(before_gather_ms=3.0, gather_ms=25.0)  # waits for the late rank
+    late = _framework_sync_rank(before_gather_ms=28.0, gather_ms=0.0)  # arrives last: no wait
+    s = summaries(early)[1]
+    assert s.wait_ms == (26.0,) and s.compute_ms == (30.0,)  # 25 at the gather + 1 at the gradients
+    assert s.gap_ms == (5.0,) and s.opt_ms == (2.0,)  # the gather's 25 ms left the gap: own work
+    assert s.rank_step_ms == (61.0,)
+    assert summaries(late)[1].wait_ms == (1.0,) and summaries(late)[1].gap_ms == (30.0,)
+    both = torch.cat([early.gathered, late.gathered])  # as the all-gather stacks the ranks
+    stats = window_stats(0, both)
+    assert stats.straggler_counts == (0, stats.steps)  # the late rank, wherever the barrier was
+    assert stats.median_unpaced_skew_ms == 25.0
+    assert float(stats.pacable_lead_ms.max()) == 0.0  # equal compute: nothing for pacing to take
+
+
+def test_framework_collectives_inside_the_step_leave_compute_and_the_optimizer_time():
+    clock = ManualClock()
+    pacer = Pacer(PacingConfig(exchange_every_steps=1, warmup_steps=0), None, 0, 1, clock)
+    windows = []
+    for step in range(2):
+        pacer.begin_step(step)
+        clock.advance(5.0)
+        start = pacer.enter_framework_sync()  # in the step, before the first gradient
+        clock.advance(7.0)
+        pacer.exit_framework_sync(start)
+        clock.advance(5.0)
+        pacer.enter_sync(bucketed=False)
+        clock.advance(20.0)
+        pacer.arrive()
+        clock.advance(1.0)
+        pacer.sync_done()
+        start = pacer.enter_framework_sync()  # after the gradient sync (a stop-flag broadcast)
+        clock.advance(4.0)
+        pacer.exit_framework_sync(start)
+        clock.advance(2.0)
+        windows.append(pacer.end_step())
+    s = summaries(windows[-1])[0]
+    assert s.compute_ms == (30.0,) and s.wait_ms == (12.0,) and s.opt_ms == (2.0,)
