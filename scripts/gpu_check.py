@@ -69,7 +69,7 @@ def _check(results: Result, name: str, ok: bool, detail: str) -> None:
 # ------------------------------------------------------------------------------------- Lightning
 def _lightning(strategy: str, out: Path, steps: int) -> Result:
     from pace_strategy.apps.recipes import TrainRecipe, one_thread_per_rank, run_lightning
-    from pace_strategy.integrations.accelerate.env import RUN_DIR_ENV
+    from pace_strategy.integrations.env import RUN_DIR_ENV
     from pace_strategy.settings import build
     from pace_strategy.telemetry.run_record import read_run_record
 

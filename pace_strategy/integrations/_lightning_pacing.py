@@ -28,47 +28,35 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.state import CHECKPOINT_KEY
 from pace_strategy.hooks.ddp import CommHook, attach_paced_ddp
 from pace_strategy.integrations._preemption import SigtermHandler
-from pace_strategy.integrations.accelerate.env import RUN_DIR_ENV, run_dir_from_env
 from pace_strategy.integrations.data import loader_workers, time_dataloader
+from pace_strategy.integrations.env import (
+    RUN_DIR_ENV,
+    PacingArg,
+    as_pacing_config,
+    record_dir,
+    run_dir_from_env,
+)
 from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance
 from pace_strategy.session import MetricsSink, PacingSession
 
 __all__ = [
     "CommHookWrapper",
-    "PacingArg",
     "RunDirArg",
     "StrategyPacing",
     "StrategyView",
     "UserCommHook",
-    "as_pacing_config",
 ]
 
 log = logging.getLogger(__name__)
 
-#: What a strategy's ``pacing=`` takes: a config, a mapping of its fields, or None for the defaults.
-PacingArg: TypeAlias = "PacingConfig | Mapping[str, Any] | None"
 #: A DDP comm-hook wrapper (e.g. torch's ``fp16_compress_wrapper``): a hook in, a hook out.
 CommHookWrapper: TypeAlias = Callable[[CommHook], CommHook]
 #: What a strategy's ``run_dir=`` takes: the run record's directory, or None (see :func:`_record_dir`).
 RunDirArg: TypeAlias = "str | os.PathLike[str] | None"
-
-
-def as_pacing_config(pacing: PacingArg) -> PacingConfig:
-    """Validate a strategy's ``pacing=`` argument into a :class:`PacingConfig`."""
-    if pacing is None:
-        return PacingConfig()
-    if isinstance(pacing, PacingConfig):
-        return pacing
-    if isinstance(pacing, Mapping):
-        return PacingConfig.from_dict(pacing)
-    raise PacingConfigError(
-        f"pacing={pacing!r} is invalid: expected a PacingConfig, a mapping of its fields, or None."
-    )
 
 
 class _Logger(Protocol):
@@ -406,12 +394,8 @@ def _record_dir(trainer: _Trainer, run_dir: Path | None) -> Path | None:
     Reading ``log_dir`` creates nothing (TensorBoardLogger and CSVLogger make it at their first
     write); the record itself is created at its first write too.
     """
-    if run_dir is not None:
-        return run_dir
     logger = trainer.logger
-    if logger is not None and logger.log_dir:
-        return Path(logger.log_dir)
-    return run_dir_from_env()
+    return record_dir(run_dir, logger.log_dir if logger is not None else None)
 
 
 def _metrics_sink(trainer: _Trainer) -> MetricsSink | None:

@@ -35,9 +35,14 @@ from pace_strategy.core.config import PacingConfig
 from pace_strategy.hooks.ddp import attach_paced_ddp
 from pace_strategy.integrations._arguments import parent_arguments
 from pace_strategy.integrations._lightning_mixins import StrategyRegistry, register_paced_ddp
-from pace_strategy.integrations._lightning_pacing import PacingArg, as_pacing_config
-from pace_strategy.integrations.accelerate.env import RUN_DIR_ENV, run_dir_from_env
 from pace_strategy.integrations.data import loader_workers, time_dataloader
+from pace_strategy.integrations.env import (
+    RUN_DIR_ENV,
+    PacingArg,
+    as_pacing_config,
+    record_dir,
+    run_dir_from_env,
+)
 from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance
 from pace_strategy.session import MetricsSink, PacingSession
 
@@ -112,11 +117,8 @@ class FabricPacing:
 
     def _record_dir(self, fabric: Fabric | None) -> Path | None:
         """Explicit ``run_dir`` > the first logger's directory > ``$PACE_RUN_DIR`` > none."""
-        if self.run_dir is not None:
-            return self.run_dir
-        if fabric is not None and fabric.loggers and fabric.loggers[0].log_dir:
-            return Path(fabric.loggers[0].log_dir)
-        return run_dir_from_env()
+        logged = fabric.loggers[0].log_dir if fabric is not None and fabric.loggers else None
+        return record_dir(self.run_dir, logged)
 
     def _live(self) -> PacingSession | None:
         """The session while it runs and the paced model trains (not in eval mode, not under

@@ -27,7 +27,7 @@ from pace_strategy.integrations.accelerate.attach import (
     attach_pacing,
     is_paceable,
 )
-from pace_strategy.integrations.accelerate.env import run_dir_from_env
+from pace_strategy.integrations.env import record_dir
 
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -132,10 +132,10 @@ class PacingCallback(TrainerCallback):
         return True
 
     def _run_dir(self, args: TrainingArguments) -> Path:
-        if self.run_dir is not None:
-            return Path(self.run_dir)
         log_dir = self._tags.log_dir()  # rank 0, where the Trainer writes TensorBoard events
-        return Path(log_dir) if log_dir else run_dir_from_env() or Path(args.output_dir or ".")
+        found = record_dir(self.run_dir, log_dir, fallback=Path(args.output_dir or "."))
+        assert found is not None, "a fallback is given"
+        return found
 
 
 def time_trainer_syncs(handle: PacingHandle) -> None:

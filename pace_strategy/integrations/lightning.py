@@ -21,11 +21,11 @@ from pace_strategy.integrations._arguments import parent_arguments
 from pace_strategy.integrations._lightning_fsdp import FSDPSharding
 from pace_strategy.integrations._lightning_mixins import PacedDDPMixin, PacedFSDPMixin
 from pace_strategy.integrations._lightning_pacing import (
-    PacingArg,
     RunDirArg,
     StrategyPacing,
     UserCommHook,
 )
+from pace_strategy.integrations.env import PacingArg
 
 __all__ = ["PacedDDPStrategy", "PacedFSDPStrategy", "register_lightning_strategies"]
 

@@ -6,7 +6,7 @@ import pytest
 
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
-from pace_strategy.integrations.accelerate.env import (
+from pace_strategy.integrations.env import (
     NON_CONFIG_ENV,
     config_from_env,
     config_to_env,

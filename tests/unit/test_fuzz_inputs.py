@@ -21,13 +21,13 @@ from hypothesis import strategies as st
 from pace_strategy.apps.recipes import TrainRecipe, load_recipe
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
-from pace_strategy.integrations.accelerate.env import (
+from pace_strategy.integrations.accelerate.launch import prepare_launch
+from pace_strategy.integrations.env import (
     NON_CONFIG_ENV,
     config_from_env,
     config_to_env,
     env_name,
 )
-from pace_strategy.integrations.accelerate.launch import prepare_launch
 from pace_strategy.settings import build, load_mapping
 from pace_strategy.sim.model import SimConfig
 from pace_strategy.telemetry.run_record import (

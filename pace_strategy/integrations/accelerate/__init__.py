@@ -12,15 +12,13 @@ from pace_strategy._imports import lazy_attributes
 
 if TYPE_CHECKING:
     from pace_strategy.integrations.accelerate.attach import PacingHandle, RebalanceLoop, attach_pacing
-    from pace_strategy.integrations.accelerate.env import ENV_PREFIX, config_from_env, config_to_env
+    from pace_strategy.integrations.env import ENV_PREFIX, config_from_env, config_to_env
 
 _WHERE = {
     "PacingHandle": "pace_strategy.integrations.accelerate.attach",
     "RebalanceLoop": "pace_strategy.integrations.accelerate.attach",
     "attach_pacing": "pace_strategy.integrations.accelerate.attach",
-    **dict.fromkeys(
-        ("ENV_PREFIX", "config_from_env", "config_to_env"), "pace_strategy.integrations.accelerate.env"
-    ),
+    **dict.fromkeys(("ENV_PREFIX", "config_from_env", "config_to_env"), "pace_strategy.integrations.env"),
 }
 
 __all__ = ["ENV_PREFIX", "PacingHandle", "RebalanceLoop", "attach_pacing", "config_from_env", "config_to_env"]

@@ -16,7 +16,6 @@ import functools
 import importlib.metadata
 import logging
 import os
-import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -31,13 +30,14 @@ from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.hooks.ddp import attach_paced_ddp
 from pace_strategy.integrations._preemption import SigtermHandler
-from pace_strategy.integrations.accelerate.env import (
+from pace_strategy.integrations.data import loader_workers, time_dataloader
+from pace_strategy.integrations.env import (
     ENV_PREFIX,
     NON_CONFIG_ENV,
     config_from_env,
-    run_dir_from_env,
+    default_run_dir,
+    record_dir,
 )
-from pace_strategy.integrations.data import loader_workers, time_dataloader
 from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance, share_scaled_allreduce
 from pace_strategy.session import MetricsSink, PacingSession
 
@@ -447,13 +447,10 @@ def _the_optimizer(accelerator: Any) -> Any:
 def _run_dir(accelerator: Any, run_dir: str | os.PathLike[str] | None) -> Path:
     """Explicit ``run_dir`` > the accelerator's logging (else project) dir > ``$PACE_RUN_DIR`` > a new
     ``./pace_runs/<date-time>``: explicit arguments beat environment variables."""
-    if run_dir is not None:
-        return Path(run_dir)
-    for attribute in ("logging_dir", "project_dir"):
-        value = getattr(accelerator, attribute, None)
-        if value:
-            return Path(value)
-    return run_dir_from_env() or Path.cwd() / "pace_runs" / time.strftime("%Y%m%d-%H%M%S")
+    logged = getattr(accelerator, "logging_dir", None) or getattr(accelerator, "project_dir", None)
+    found = record_dir(run_dir, logged, fallback=default_run_dir())
+    assert found is not None, "a fallback is given"
+    return found
 
 
 def is_paceable(obj: Any) -> bool:

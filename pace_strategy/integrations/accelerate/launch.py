@@ -19,7 +19,7 @@ from typing import Any
 
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.integrations.accelerate.bootstrap import LAUNCHER_FLAG, MODULE
-from pace_strategy.integrations.accelerate.env import config_to_env
+from pace_strategy.integrations.env import config_to_env
 
 __all__ = ["main", "prepare_launch"]
 

@@ -1,4 +1,11 @@
-"""The ``PACE_*`` environment contract: how a PacingConfig and the run directory reach the workers.
+"""Where an adapter's configuration and run directory come from, one rule for every integration.
+
+- :func:`as_pacing_config`: a ``pacing=`` argument (a config, a mapping of its fields, or ``None``).
+- :func:`record_dir`: the run record's directory: an explicit ``run_dir`` > the framework's log
+  directory > ``$PACE_RUN_DIR`` > the adapter's fallback (none for Lightning and Fabric, whose runs
+  without a logger write no log files; ``./pace_runs/<date-time>`` for Accelerate and plain PyTorch).
+
+The ``PACE_*`` environment contract: how a PacingConfig and the run directory reach the workers.
 
 One variable per :class:`~pace_strategy.core.config.PacingConfig` field, upper-cased
 (``max_delay_ms`` -> ``PACE_MAX_DELAY_MS``). A switch is ``1``/``0`` or ``true``/``false``; any other
@@ -14,10 +21,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from pace_strategy.core.config import PacingConfig, check_known_keys
 from pace_strategy.core.errors import PacingConfigError
@@ -27,11 +35,18 @@ __all__ = [
     "ENV_PREFIX",
     "NON_CONFIG_ENV",
     "RUN_DIR_ENV",
+    "PacingArg",
+    "as_pacing_config",
     "config_from_env",
     "config_to_env",
+    "default_run_dir",
     "env_name",
+    "record_dir",
     "run_dir_from_env",
 ]
+
+#: What an adapter's ``pacing=`` takes: a config, a mapping of its fields, or None for the defaults.
+PacingArg: TypeAlias = "PacingConfig | Mapping[str, Any] | None"
 
 ENV_PREFIX = "PACE_"
 #: The run record's directory when neither ``attach_pacing(run_dir=...)`` nor the Accelerator says one.
@@ -94,3 +109,38 @@ def run_dir_from_env(environ: Mapping[str, str] | None = None) -> Path | None:
     """``$PACE_RUN_DIR``, or ``None`` when unset or empty."""
     value = (os.environ if environ is None else environ).get(RUN_DIR_ENV)
     return Path(value) if value else None
+
+
+def as_pacing_config(pacing: PacingArg) -> PacingConfig:
+    """Validate an adapter's ``pacing=`` argument into a :class:`PacingConfig`."""
+    if pacing is None:
+        return PacingConfig()
+    if isinstance(pacing, PacingConfig):
+        return pacing
+    if isinstance(pacing, Mapping):
+        return PacingConfig.from_dict(pacing)
+    raise PacingConfigError(
+        f"pacing={pacing!r} is invalid: expected a PacingConfig, a mapping of its fields, or None."
+    )
+
+
+def record_dir(
+    explicit: str | os.PathLike[str] | None,
+    framework_dir: str | os.PathLike[str] | None,
+    fallback: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Path | None:
+    """The run record's directory: ``explicit`` (the adapter's ``run_dir=``) > ``framework_dir`` (where
+    the framework writes its own logs) > ``$PACE_RUN_DIR`` > ``fallback``. Explicit arguments beat
+    the environment; nothing is created here."""
+    for value in (explicit, framework_dir):
+        if value is not None and os.fspath(value):
+            return Path(value)
+    from_env = run_dir_from_env(environ)
+    return from_env if from_env is not None else fallback
+
+
+def default_run_dir() -> Path:
+    """``./pace_runs/<date-time>``: where a run record goes when nothing says where (Accelerate, plain
+    PyTorch)."""
+    return Path.cwd() / "pace_runs" / time.strftime("%Y%m%d-%H%M%S")
