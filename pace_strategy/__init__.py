@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from pace_strategy.integrations.accelerate import PacingHandle, attach_pacing
     from pace_strategy.integrations.huggingface import PacingCallback
     from pace_strategy.integrations.lightning import PacedDDPStrategy, PacedFSDPStrategy
+    from pace_strategy.integrations.pytorch import Pace, PaceSummary, attach
     from pace_strategy.session import PacingSession
     from pace_strategy.telemetry import RunRecord, read_run_record, summarize
 
@@ -70,6 +71,9 @@ _WHERE = {
     "PacingHandle": "pace_strategy.integrations.accelerate",
     "attach_pacing": "pace_strategy.integrations.accelerate",
     "PacingCallback": "pace_strategy.integrations.huggingface",
+    "Pace": "pace_strategy.integrations.pytorch",
+    "PaceSummary": "pace_strategy.integrations.pytorch",
+    "attach": "pace_strategy.integrations.pytorch",
     "PacedDDPStrategy": "pace_strategy.integrations.lightning",
     "PacedFSDPStrategy": "pace_strategy.integrations.lightning",
     "PacingSession": "pace_strategy.session",
@@ -83,7 +87,9 @@ _WHERE = {
 __all__ = [
     "Decision",
     "GradReadyMonitor",
+    "Pace",
     "PaceDistributedError",
+    "PaceSummary",
     "PaceTimeoutError",
     "PacedDDPStrategy",
     "PacedFSDPStrategy",
@@ -101,6 +107,7 @@ __all__ = [
     "StepSummary",
     "WindowResult",
     "__version__",
+    "attach",
     "attach_paced_ddp",
     "attach_pacing",
     "auto_shard",

@@ -9,6 +9,8 @@ its first write: a session that saw no training step leaves no file and no direc
 
 from __future__ import annotations
 
+import atexit
+import functools
 import itertools
 import logging
 import os
@@ -16,6 +18,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -184,6 +187,8 @@ class PacingSession:
         self._resume_line: dict[str, Any] | None = None  #: the record's ``resume`` line, once restored
         self._dataloader_workers: int | None = None
         self._workers_shared = False
+        _OPEN.add(self)
+        _close_open_sessions_at_exit()
 
     @classmethod
     def start(
@@ -298,13 +303,15 @@ class PacingSession:
         if self.record is not None:
             self.record.write_window(summaries, result.decision, result.rebalance)
 
-    def finish(self) -> None:
-        """Normal end of training (collective: every rank calls it): exchange and publish what is left."""
+    def finish(self) -> list[WindowResult]:
+        """Normal end of training (collective: every rank calls it): exchange and publish what is left.
+        Returns the windows that exchange decided (none when already finished or closed)."""
         if self._finished:
-            return
+            return []
         self._finished = True
         try:
-            for result in self.pacer.flush():
+            results = self.pacer.flush()
+            for result in results:
                 self.publish(result)
             # Every rank's GC totals for the end line (collective, like the flush before it).
             self._gc_ranks = gather_json(
@@ -319,6 +326,7 @@ class PacingSession:
             # peers are alive, rather than in an interpreter-exit destructor.
             dist.destroy_process_group(self._group)
         self._group = None
+        return results
 
     # ------------------------------------------------------------------ checkpoint state
     def register_state(self, name: str, component: StatefulComponent) -> None:
@@ -544,6 +552,7 @@ class PacingSession:
         local_rows: torch.Tensor | None = None,
         unresolved: int = 0,
     ) -> None:
+        _OPEN.discard(self)
         self._release_collector()
         if self.watchdog is not None:
             self.watchdog.stop()
@@ -572,6 +581,29 @@ class PacingSession:
             if unresolved:  # completed steps whose device marks had not happened: not waited for
                 extra["unresolved_steps_dropped"] = unresolved
             self.record.close(status, message, extra=extra, create=self.pacer.steps_seen > 0)
+
+
+#: Sessions not yet finished or closed, whatever adapter started them: closed at interpreter exit.
+_OPEN: weakref.WeakSet[PacingSession] = weakref.WeakSet()
+
+
+@functools.cache
+def _close_open_sessions_at_exit() -> None:
+    """Register, once per process, the one exit path for runs that end without ``finish``."""
+    atexit.register(_close_open_sessions)
+
+
+def _close_open_sessions() -> None:
+    """At exit, close every open session locally (no collective: the peers may be gone): ``failed``
+    when the script died of an uncaught exception (Python sets ``sys.last_value`` before the exit
+    handlers run), else ``incomplete``. What was exchanged is written; the steps of the last,
+    unexchanged window are lost (a normal end calls ``finish``, which exchanges them)."""
+    error = getattr(sys, "last_value", None)
+    for session in list(_OPEN):
+        if isinstance(error, BaseException):
+            session.fail(error)
+        else:
+            session.close(status="incomplete")
 
 
 class _Publisher:

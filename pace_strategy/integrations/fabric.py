@@ -12,13 +12,9 @@ idempotent); ``import pace_strategy`` imports it as soon as ``lightning.fabric``
 
 from __future__ import annotations
 
-import atexit
-import functools
 import inspect
 import logging
 import os
-import sys
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -110,8 +106,6 @@ class FabricPacing:
             self.rebalance.attach(session.pacer)
             session.register_state(STATE_NAME, self.rebalance)
         model.register_forward_pre_hook(self._forward)
-        _OPEN.add(self)
-        _close_open_sessions_at_exit()
         if rank == 0:
             log.info("pace_strategy: %s mode, run record %s", self.config.mode, session.record_path or "off")
 
@@ -190,7 +184,6 @@ class FabricPacing:
         close the run record."""
         if self.session is not None:
             self.session.finish()
-        _OPEN.discard(self)
 
     def close(self, error: BaseException | None = None) -> None:
         """Close locally, without the final exchange: with ``error``, as failed; else ``incomplete``
@@ -200,7 +193,6 @@ class FabricPacing:
                 self.session.fail(error)
             else:
                 self.session.close(status="incomplete")
-        _OPEN.discard(self)
 
 
 class PacedFabricDDPStrategy(DDPStrategy):
@@ -325,24 +317,6 @@ def _metrics_sink(fabric: Fabric | None) -> MetricsSink | None:
         fabric.log_dict(dict(metrics), step=step)
 
     return sink
-
-
-#: Sessions started and not yet finished or closed (closed at interpreter exit).
-_OPEN: weakref.WeakSet[FabricPacing] = weakref.WeakSet()
-
-
-@functools.cache
-def _close_open_sessions_at_exit() -> None:
-    """Register, once per process, the exit handler for scripts that never call :func:`finish_pacing`."""
-    atexit.register(_close_open_sessions)
-
-
-def _close_open_sessions() -> None:
-    # Local close, no collective: at exit the peers may be gone. Python sets sys.last_value before
-    # the exit handlers run when the script died of an uncaught exception.
-    error = getattr(sys, "last_value", None)
-    for pacing in list(_OPEN):
-        pacing.close(error if isinstance(error, BaseException) else None)
 
 
 # Registered as soon as the classes exist: ``import pace_strategy`` imports this module when

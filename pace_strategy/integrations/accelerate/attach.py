@@ -11,7 +11,6 @@ too, which closes the run record as ``terminated`` and passes the signal on. The
 
 from __future__ import annotations
 
-import atexit
 import functools
 import importlib.metadata
 import logging
@@ -274,7 +273,6 @@ def attach_pacing(
     )
     handle = PacingHandle(model, config, session)
     _ATTACHED[id(model)] = handle
-    _close_open_records_at_exit()
     try:
         loop = rebalance_loop or RebalanceLoop()
         if config.rebalance:
@@ -467,16 +465,3 @@ def _is_fsdp2(model: Any) -> bool:
     except ImportError:
         return False
     return bool(fsdp_modules(model))
-
-
-@functools.cache
-def _close_open_records_at_exit() -> None:
-    """Register, once per process, the exit handler for scripts that never call ``finish``."""
-    atexit.register(_close_open_records)
-
-
-def _close_open_records() -> None:
-    # Local close, no collective: at exit the peers may be gone. The last window is lost.
-    for handle in list(_ATTACHED.values()):
-        if handle.session is not None:
-            handle.session.close(status="incomplete")

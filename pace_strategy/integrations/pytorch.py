@@ -1,0 +1,315 @@
+"""Plain PyTorch: :func:`attach`, pacing for a training loop you write yourself (DDP or FSDP2).
+
+::
+
+    with pace_strategy.attach(ddp_model, run_dir="runs/x", writer=writer) as pace:
+        for batch in pace.dataloader(loader):
+            pace.begin_step()
+            loss = loss_fn(ddp_model(batch))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            pace.end_step(samples=len(batch))
+    print(pace.summary())
+
+Launched by ``torchrun`` (or anything that initialized the default process group). The session,
+the monitors, the run record, the watchdog and GC sync are the same as under Lightning or
+Accelerate; what this adapter adds is only the translation of a loop's own events: ``begin_step``
+when the batch is in hand, ``end_step`` after the optimizer step.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from pace_strategy.core.config import PacingConfig
+from pace_strategy.core.errors import PacingConfigError
+from pace_strategy.core.pacer import WindowResult
+from pace_strategy.hooks.ddp import attach_paced_ddp
+from pace_strategy.integrations.data import loader_workers, time_dataloader
+from pace_strategy.integrations.env import (
+    PacingArg,
+    as_pacing_config,
+    config_from_env,
+    default_run_dir,
+    record_dir,
+)
+from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance, share_scaled_allreduce
+from pace_strategy.session import PacingSession
+
+__all__ = ["Pace", "PaceSummary", "attach"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PaceSummary:
+    """What the run measured, the same on every rank (from the exchanged windows).
+
+    ``median_skew_ms`` and ``median_step_ms`` are medians over the windows' medians (unpaced skew:
+    the delay given is added back); ``straggler_counts[r]`` is how often rank ``r`` arrived last.
+    """
+
+    steps: int  #: steps this rank ended
+    windows: int  #: windows exchanged
+    median_skew_ms: float
+    median_step_ms: float
+    straggler_counts: tuple[int, ...]
+    delay_ms: float  #: the delay this rank applies now
+    record: Path | None  #: rank 0's run record (``None`` elsewhere, or none written)
+
+    def __str__(self) -> str:
+        total = sum(self.straggler_counts)
+        rank = max(range(len(self.straggler_counts)), key=self.straggler_counts.__getitem__, default=-1)
+        share = f"rank {rank} last in {self.straggler_counts[rank]}/{total} steps" if total else "no steps"
+        return (
+            f"pace_strategy: {self.steps} steps, {self.windows} windows; skew {self.median_skew_ms:.1f} ms "
+            f"of a {self.median_step_ms:.1f} ms step at the median; {share}; delay {self.delay_ms:.1f} ms"
+            + (f"; record {self.record}" if self.record is not None else "")
+        )
+
+
+class Pace:
+    """The pacing of one model in a plain PyTorch loop (what :func:`attach` returns).
+
+    Every method is a no-op without a session (one process). :meth:`begin_step` and :meth:`end_step`
+    are called on every rank, every step; :meth:`end_step` and :meth:`finish` are collective.
+    """
+
+    def __init__(self, model: nn.Module, config: PacingConfig, session: PacingSession | None) -> None:
+        self.model = model
+        self.config = config
+        self.session = session
+        self.steps = 0  #: steps ended through this handle
+        self.rebalance: DataRebalance | None = None  #: ``rebalance=True``: the loader's shares
+        self._undo: list[Any] = []
+        self._windows: list[WindowResult] = []
+
+    # ------------------------------------------------------------------ per step
+    def begin_step(self, step: int | None = None) -> None:
+        """The step's batch is in hand (default label: the steps ended so far)."""
+        if self.session is None:
+            return
+        self.session.pacer.begin_step(self.steps if step is None else step)
+        if self.rebalance is not None:
+            self.rebalance.begin_batch()
+
+    def end_step(self, samples: int | None = None) -> None:
+        """The optimizer step is done; ``samples``: what this rank trained on in the step (the
+        rebalancing loader reports it itself). Collective: every rank, every step."""
+        self.steps += 1
+        if self.session is None:
+            return
+        if samples is not None and self.rebalance is None:
+            self.session.pacer.set_samples(samples)
+        result = self.session.end_step()
+        if result is not None:
+            self._windows.append(result)
+        if self.rebalance is not None:
+            self.rebalance.end_step()
+
+    # ------------------------------------------------------------------ data
+    def dataloader(self, loader: Any) -> Any:
+        """Iterate this instead of ``loader``: its input wait is measured, and with ``rebalance=True``
+        it is ``loader`` rebuilt around the rebalancing batch sampler (same dataset, batch size,
+        shuffle, drop_last and workers; each rank's share of the global batch follows the decisions;
+        the gradient is scaled by the share in the DDP comm hook, so the loop and its loss stay as they
+        are). Call it once, after :func:`attach`, before the first step."""
+        if self.session is None:
+            return loader
+        if self.rebalance is not None:
+            if self.rebalance.sampler is not None:
+                raise PacingConfigError("pace.dataloader(...) rebalances one training loader; call it once.")
+            loader = self.rebalance.replace(loader)
+        self.session.note_dataloader_workers(loader_workers(loader))
+        hook = time_dataloader(loader, lambda: self.session if self.attached else None)
+        if hook is not None:
+            self._undo.append(hook.remove)
+        return loader
+
+    def _rebalance(self) -> DataRebalance:
+        session = self.session
+        assert session is not None
+        if not isinstance(self.model, DistributedDataParallel):
+            raise PacingConfigError(
+                "rebalance=True is supported with DDP, not FSDP yet; set rebalance=False for this model."
+            )
+        self.rebalance = DataRebalance(
+            session.pacer,
+            session.pacer.rank,
+            session.pacer.world_size,
+            step_source=lambda: self.steps,
+            framework_prefetch=0,  # a plain loop trains the batch it just took
+        )
+        session.register_state(STATE_NAME, self.rebalance)
+        self._undo.append(self.rebalance.stop)
+        return self.rebalance
+
+    # ------------------------------------------------------------------ state, summary, end
+    @property
+    def attached(self) -> bool:
+        return self.session is not None and not self.session.finished
+
+    def state_dict(self) -> dict[str, Any]:
+        """The pacing state to save beside the model's (plain JSON-able data, the same on every rank)."""
+        return {} if self.session is None else self.session.state_dict(self.steps)
+
+    def load_state_dict(self, state: dict[str, Any] | None, source: str | None = None) -> None:
+        """Restore what :meth:`state_dict` saved (every rank, before the first step); the step count
+        resumes from it."""
+        if self.session is None:
+            return
+        self.session.load_state_dict(state, source=source)
+        saved = (state or {}).get("step")
+        if type(saved) is int:
+            self.steps = saved
+
+    def summary(self) -> PaceSummary:
+        """What was measured so far (all of it after :meth:`finish`)."""
+        stats = [w.stats for w in self._windows if w.stats.steps > 0]
+        world = self.session.world_size if self.session is not None else 1
+        counts = [0] * world
+        for s in stats:
+            counts = [a + b for a, b in zip(counts, s.straggler_counts, strict=True)]
+        skews = sorted(s.median_unpaced_skew_ms for s in stats)
+        steps_ms = sorted(s.median_step_ms for s in stats)
+        return PaceSummary(
+            steps=self.steps,
+            windows=len(self._windows),
+            median_skew_ms=skews[len(skews) // 2] if skews else 0.0,
+            median_step_ms=steps_ms[len(steps_ms) // 2] if steps_ms else 0.0,
+            straggler_counts=tuple(counts),
+            delay_ms=self.session.pacer.delay_ms if self.session is not None else 0.0,
+            record=self.session.record_path
+            if self.session is not None and self.session.record_created
+            else None,
+        )
+
+    def finish(self) -> None:
+        """End of training, every rank (collective): the last window exchanged and written, the record
+        closed (``completed``), every hook removed. Idempotent."""
+        session = self.session
+        try:
+            if session is not None and not session.finished:
+                self._windows.extend(session.finish())
+        finally:
+            self.detach()
+
+    def detach(self) -> None:
+        """Remove every hook (local); a session not finished is closed as ``detached``. Idempotent."""
+        while self._undo:
+            self._undo.pop()()
+        if self.session is not None:
+            self.session.close(status="detached")
+
+    def __enter__(self) -> Pace:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if error is None:
+            self.finish()
+            return
+        if self.session is not None:
+            self.session.fail(error)  # local: the peers may be gone
+        self.detach()
+
+
+def attach(
+    model: nn.Module,
+    *,
+    pacing: PacingArg = None,
+    run_dir: str | os.PathLike[str] | None = None,
+    writer: Any | None = None,
+) -> Pace:
+    """Monitor and pace ``model`` (a ``DistributedDataParallel`` model, or one sharded with FSDP2's
+    ``fully_shard``) in a plain PyTorch training loop. Collective: every rank, after the model is
+    wrapped and the default process group initialized (``torchrun``).
+
+    Args:
+        pacing: a :class:`~pace_strategy.PacingConfig`, a mapping of its fields, or ``None``: the
+            ``PACE_*`` variables, else the defaults.
+        run_dir: rank 0's run record directory. Default: ``writer``'s log directory, else
+            ``$PACE_RUN_DIR``, else ``./pace_runs/<date-time>``.
+        writer: a TensorBoard ``SummaryWriter`` (or anything with ``add_scalar(tag, value, step)``)
+            that gets the ``pace/`` tags on rank 0, off the training thread. ``None``: the record only.
+    """
+    config = as_pacing_config(pacing) if pacing is not None else config_from_env() or PacingConfig()
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        log.warning("pace_strategy: a single process has no skew to monitor; attach does nothing")
+        return Pace(model, config, None)
+    fsdp = _is_fsdp2(model)
+    if not fsdp and not isinstance(model, DistributedDataParallel):
+        raise TypeError(
+            f"pace_strategy.attach needs a DistributedDataParallel model or one sharded with FSDP2 "
+            f"(fully_shard), got {type(model).__name__}."
+        )
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    log_dir = None
+    if rank == 0:
+        logged = writer.get_logdir() if writer is not None and hasattr(writer, "get_logdir") else None
+        log_dir = record_dir(run_dir, logged, fallback=default_run_dir())
+    session = PacingSession.with_side_group(
+        config,
+        rank=rank,
+        world_size=world_size,
+        device=_device(model),
+        framework="pytorch",
+        log_dir=log_dir,
+        metrics_sink=None if writer is None else functools.partial(_write_tags, writer),
+    )
+    pace = Pace(model, config, session)
+    try:
+        if fsdp:
+            if config.rebalance:
+                raise PacingConfigError(
+                    "rebalance=True is supported with DDP, not FSDP yet; set rebalance=False for this model."
+                )
+            from pace_strategy.hooks.fsdp import register_paced_collectives, unregister_paced_collectives
+
+            register_paced_collectives(model, session.pacer)
+            pace._undo.append(functools.partial(unregister_paced_collectives, model))
+        else:
+            assert isinstance(model, DistributedDataParallel)
+            if config.rebalance:  # the share factor goes on the gradient, in the comm hook
+                rebalance = pace._rebalance()
+                pace._undo.append(
+                    attach_paced_ddp(model, session.pacer, share_scaled_allreduce, rebalance).remove
+                )
+            else:
+                pace._undo.append(attach_paced_ddp(model, session.pacer).remove)
+    except BaseException:
+        pace.detach()
+        raise
+    return pace
+
+
+def _write_tags(writer: Any, metrics: dict[str, float], step: int) -> None:
+    for tag, value in metrics.items():
+        writer.add_scalar(tag, value, step)
+
+
+def _device(model: nn.Module) -> torch.device:
+    for parameter in model.parameters():
+        return parameter.device
+    return torch.device("cpu")
+
+
+def _is_fsdp2(model: nn.Module) -> bool:
+    try:
+        from pace_strategy.hooks.fsdp import fsdp_modules
+    except ImportError:
+        return False
+    return bool(fsdp_modules(model))

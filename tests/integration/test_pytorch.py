@@ -1,0 +1,117 @@
+"""``pace_strategy.attach`` in plain PyTorch loops under torchrun (2 CPU processes, started together):
+a DDP loop with a SummaryWriter, an FSDP2 loop written as torchtitan writes its train step, and a
+loop that ends without finish, and a rebalanced DDP loop. Rank 1 is slower in every backward."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pace_strategy.data.phases import share_phases
+from pace_strategy.telemetry import TAGS, read_run_record
+from tests.integration.helpers import read_scalars
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(200)]
+
+SCRIPT = Path(__file__).resolve().parent / "pytorch_script.py"
+MODES = ("ddp", "fsdp", "noend", "rebalance")
+STEPS = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pytorch")
+    procs = {}
+    for mode in MODES:
+        out = root / mode
+        out.mkdir()
+        port = str(_free_port())
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                   "127.0.0.1", "--master_port", port, str(SCRIPT), str(out), mode]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        pipe = subprocess.PIPE
+        procs[mode] = (out, subprocess.Popen(command, env=env, stdout=pipe, stderr=pipe, text=True))
+    yield procs
+    for _, proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def _result(runs, mode):
+    out, proc = runs[mode]
+    try:
+        _, stderr = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, stderr = proc.communicate()
+    assert proc.returncode == 0, stderr[-4000:]
+    return out, [json.loads((out / f"result_{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def _slow_rank_1(record):
+    measured = [s for s in record.steps if not s["warmup"]]
+    assert sum(s["straggler_rank"] == 1 for s in measured) >= 0.8 * len(measured)
+    assert 20.0 < statistics.median(s["skew_ms"] for s in measured) < 80.0
+
+
+def test_a_plain_ddp_loop_is_measured_with_its_own_summary_writer(runs):
+    out, results = _result(runs, "ddp")
+    record = read_run_record(out / "record")
+    assert record.end["status"] == "completed" and record.header["framework"] == "pytorch"
+    assert [s["step"] for s in record.steps] == list(range(STEPS))
+    _slow_rank_1(record)
+    for r in results:  # every rank has the same summary: it is built from the exchanged windows
+        assert r["steps"] == STEPS and r["windows"] == STEPS // 4
+        assert r["straggler_counts"][1] >= 0.8 * sum(r["straggler_counts"])
+        assert 20.0 < r["median_skew_ms"] < 80.0
+    assert results[0]["straggler_counts"] == results[1]["straggler_counts"]
+    assert results[0]["record"] == str(out / "record" / "pace_run.jsonl") and results[1]["record"] is None
+    assert "rank 1 last in" in results[0]["text"]
+    scalars = read_scalars(out / "tb")  # the user's SummaryWriter: every tag at every step
+    assert all(sorted(scalars[tag]) == list(range(STEPS)) for tag in TAGS)
+    assert results[0]["weights"] == results[1]["weights"]
+
+
+def test_a_torchtitan_style_fsdp2_loop_is_measured(runs):
+    out, results = _result(runs, "fsdp")
+    record = read_run_record(out / "record")
+    assert record.end["status"] == "completed" and [s["step"] for s in record.steps] == list(range(STEPS))
+    measured = [s for s in record.steps if not s["warmup"]]
+    # FSDP: every all-gather and reduce-scatter is a sync point; rank 1's slow backward makes rank 0
+    # wait at the reduce-scatters
+    assert sum(s["straggler_rank"] == 1 for s in measured) >= 0.8 * len(measured)
+    assert all(r["steps"] == STEPS for r in results) and results[0]["weights"] == results[1]["weights"]
+
+
+def test_a_loop_that_ends_without_finish_keeps_what_was_exchanged(runs):
+    out, results = _result(runs, "noend")
+    record = read_run_record(out / "record")
+    assert record.end["status"] == "incomplete"  # closed by the exit handler, locally
+    assert all(r["steps"] == STEPS for r in results)
+    assert [s["step"] for s in record.steps] == list(range(len(record.steps)))
+    assert STEPS - 8 <= len(record.steps) < STEPS  # the last window (exchanged at finish) is lost
+
+
+def test_rebalancing_in_a_plain_loop_moves_samples_off_the_slow_rank(runs):
+    out, results = _result(runs, "rebalance")
+    assert all(r["loader"] == "ShareBatchSampler" for r in results)  # pace.dataloader rebuilt it
+    record = read_run_record(out / "record")
+    assert record.end["status"] == "completed" and len(record.steps) == 32
+    phases = share_phases(record.steps)
+    assert phases[0].shares == (8, 8) and all(sum(p.shares) == 16 for p in phases)
+    assert any(p.shares[1] < p.shares[0] for p in phases), [p.shares for p in phases]
+    assert results[0]["weights"] == results[1]["weights"]
