@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pace_strategy.diagnose.arrays import load_arrays
 from pace_strategy.diagnose.config import DiagnosisConfig
 from pace_strategy.diagnose.findings import diagnose
 from pace_strategy.diagnose.hosts import host_loads
 from pace_strategy.settings import load_mapping
+from pace_strategy.telemetry.arrays import load_arrays
 
 COMPUTE_MS = (5, 12, 30, 60)
 #: real-compute clean runs: (MLP width, samples per rank), no emulated compute

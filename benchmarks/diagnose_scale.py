@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pace_strategy.diagnose.arrays import load_arrays
 from pace_strategy.diagnose.config import DiagnosisConfig
 from pace_strategy.diagnose.findings import diagnose
 from pace_strategy.diagnose.report import render_report
+from pace_strategy.telemetry.arrays import load_arrays
 from pace_strategy.telemetry.run_record import SCHEMA, SCHEMA_VERSION
 
 

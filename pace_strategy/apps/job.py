@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset, default_collate
 from pace_strategy.testing import Straggler, sleep_injected
 
 if TYPE_CHECKING:
-    from pace_strategy.apps.recipes import ModelRecipe, TrainRecipe
+    from pace_strategy.apps.recipe_schema import ModelRecipe, TrainRecipe
 
 __all__ = ["GcLoad", "ProgressLine", "SlowCollate", "build_net", "make_dataset"]
 

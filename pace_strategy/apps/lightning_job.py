@@ -17,7 +17,7 @@ from typing_extensions import override
 from pace_strategy.apps.job import GcLoad, ProgressLine, build_net
 
 if TYPE_CHECKING:
-    from pace_strategy.apps.recipes import ModelRecipe
+    from pace_strategy.apps.recipe_schema import ModelRecipe
 
 __all__ = [
     "QUIET_TRAINER",

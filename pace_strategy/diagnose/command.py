@@ -18,9 +18,9 @@ from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.telemetry.run_record import RunRecordError
 
 if TYPE_CHECKING:
-    from pace_strategy.diagnose.arrays import RunArrays
     from pace_strategy.diagnose.config import DiagnosisConfig
     from pace_strategy.diagnose.result import Diagnosis
+    from pace_strategy.telemetry.arrays import RunArrays
 
 __all__ = ["build_parser", "main"]
 
@@ -122,8 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _diagnose(
     run_dirs: str | Sequence[str], cfg: DiagnosisConfig, ranks: Sequence[int]
 ) -> tuple[RunArrays, Diagnosis]:
-    from pace_strategy.diagnose.arrays import load_timeline, timeline_records
     from pace_strategy.diagnose.findings import diagnose
+    from pace_strategy.telemetry.arrays import load_timeline, timeline_records
 
     arrays = load_timeline(timeline_records([run_dirs] if isinstance(run_dirs, str) else run_dirs))
     return arrays, diagnose(arrays, cfg, project_ranks=ranks)

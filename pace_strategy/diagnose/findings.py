@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from pace_strategy.diagnose.arrays import RunArrays, timeline_notes
 from pace_strategy.diagnose.config import DiagnosisConfig
 from pace_strategy.diagnose.gc_checks import gc_pauses
 from pace_strategy.diagnose.group_checks import fabric_contention, sync_amplification
@@ -28,6 +27,7 @@ from pace_strategy.diagnose.run_stats import (
     UNEXPLAINED_CONFIDENCE,
     RunStats,
 )
+from pace_strategy.telemetry.arrays import RunArrays, timeline_notes
 from pace_strategy.telemetry.run_record import arrival_of, hang_text
 
 __all__ = ["MODES", "Diagnosis", "Finding", "Mode", "diagnose", "projection_text"]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pace_strategy.diagnose.arrays import RANK_AXIS
+from pace_strategy.telemetry.arrays import RANK_AXIS
 
 __all__ = ["JitterFloor", "expected_max_normal", "jitter_floor"]
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from pace_strategy.diagnose.arrays import RunArrays
+from pace_strategy.telemetry.arrays import RunArrays
 
 __all__ = ["ASSUMPTION", "DEFAULT_PROJECT_RANKS", "Projection", "project"]
 

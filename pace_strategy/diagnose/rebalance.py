@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from pace_strategy.diagnose.arrays import RunArrays
 from pace_strategy.diagnose.result import pct
+from pace_strategy.telemetry.arrays import RunArrays
 
 __all__ = ["RebalanceOutcome", "per_sample_text", "rebalance_outcome"]
 

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from pace_strategy.core.glossary import lead_ms, skew_ms, straggler_rank, transfer_ms
-from pace_strategy.diagnose.arrays import RANK_AXIS, RunArrays
 from pace_strategy.diagnose.config import DiagnosisConfig
 from pace_strategy.diagnose.result import Diagnosis, projection_text
+from pace_strategy.telemetry.arrays import RANK_AXIS, RunArrays
 
 __all__ = ["PLOTS", "render_report"]
 

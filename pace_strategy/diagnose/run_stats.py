@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 
 from pace_strategy.core.glossary import lead_ms, skew_ms, straggler_rank, transfer_ms
-from pace_strategy.diagnose.arrays import RANK_AXIS, RunArrays
 from pace_strategy.diagnose.config import DiagnosisConfig
 from pace_strategy.diagnose.hosts import HostLoad, host_loads
 from pace_strategy.diagnose.noise import jitter_floor
 from pace_strategy.diagnose.result import Finding, Mode
+from pace_strategy.telemetry.arrays import RANK_AXIS, RunArrays
 
 __all__ = [
     "AMPLIFICATION_BASE_CONFIDENCE",

@@ -19,10 +19,10 @@ import numpy as np
 
 from pace_strategy.core import glossary
 from pace_strategy.core.config import PacingConfig
-from pace_strategy.diagnose.arrays import RANK_AXIS, RunArrays
 from pace_strategy.sim.engine import RunResult, WindowDraws, run_steps
 from pace_strategy.sim.model import NetworkModel
 from pace_strategy.sim.network import inter_node_bandwidth_gbps
+from pace_strategy.telemetry.arrays import RANK_AXIS, RunArrays
 
 __all__ = ["Calibration", "fit", "oversubscription_factor", "predict", "ring_factor"]
 

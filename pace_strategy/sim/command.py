@@ -154,10 +154,10 @@ def _sweep(args: argparse.Namespace) -> int:
 
 def _from_run(args: argparse.Namespace) -> int:
     from pace_strategy.core.config import PacingConfig
-    from pace_strategy.diagnose.arrays import load_arrays
     from pace_strategy.settings import build
     from pace_strategy.sim.calibrate import fit, oversubscription_factor, predict
     from pace_strategy.sim.model import NetworkModel
+    from pace_strategy.telemetry.arrays import load_arrays
 
     arrays = load_arrays(args.from_run)
     cal = fit(arrays)

@@ -34,10 +34,10 @@ from pace_strategy.core.rebalance import (
 from pace_strategy.core.records import NUM_FIELDS, Field
 from pace_strategy.core.shares import ShareSchedule
 from pace_strategy.core.state import PacingStateError
-from pace_strategy.diagnose.arrays import load_arrays
 from pace_strategy.diagnose.findings import Mode, diagnose
 from pace_strategy.integrations.env import config_from_env
 from pace_strategy.session import PacingSession
+from pace_strategy.telemetry.arrays import load_arrays
 from pace_strategy.telemetry.run_record import RunRecordError, read_run_record
 from pace_strategy.telemetry.schema import batch_share_tag
 from tests.distributed.ranks import raise_first, run_ranks

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.watchdog import HangWatchdog, RankProgress, hang_verdict, job_store, stale_after_s
-from pace_strategy.diagnose.arrays import find_run_record, load_arrays
 from pace_strategy.diagnose.findings import diagnose
+from pace_strategy.telemetry.arrays import find_run_record, load_arrays
 from pace_strategy.telemetry.run_record import (
     RunRecordError,
     RunRecordWriter,
