@@ -52,9 +52,10 @@ def _worker(rank: int, ranks: int, steps: int, store: str, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from pace_strategy.apps.job import build_net
-    from pace_strategy.apps.recipes import ModelRecipe, leave_without_finalization
+    from pace_strategy.apps.recipes import ModelRecipe
     from pace_strategy.core import HostClock, Pacer, PacingConfig
     from pace_strategy.hooks.ddp import attach_paced_ddp
+    from pace_strategy.shutdown import leave_without_finalization
 
     torch.set_num_threads(1)
     dist.init_process_group(

@@ -91,10 +91,11 @@ def _worker(rank: int, job: Job) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     from pace_strategy.apps.job import build_net
-    from pace_strategy.apps.recipes import ModelRecipe, leave_without_finalization
+    from pace_strategy.apps.recipes import ModelRecipe
     from pace_strategy.core import PacingConfig
     from pace_strategy.hooks.ddp import attach_paced_ddp
     from pace_strategy.session import PacingSession
+    from pace_strategy.shutdown import leave_without_finalization
     from pace_strategy.telemetry.run_record import read_run_record
     from pace_strategy.testing import parse_stragglers, sleep_injected
 

@@ -24,13 +24,13 @@ from typing import Any
 
 from pace_strategy.apps.recipes import (
     TrainRecipe,
-    leave_without_finalization,
     one_thread_per_rank,
     run_lightning,
 )
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.settings import build, load_mapping
+from pace_strategy.shutdown import leave_without_finalization
 from pace_strategy.testing import PHASES, Straggler, parse_slow_devices, parse_stragglers
 
 __all__ = ["SCENARIOS", "build_parser", "demo_recipe", "main", "parse_args"]

@@ -10,11 +10,10 @@ override (``trainer.accelerator=gpu trainer.devices=8``), nothing else changes.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from pace_strategy.apps.recipe_schema import (
     FRAMEWORKS,
@@ -30,6 +29,7 @@ from pace_strategy.apps.recipe_schema import (
     load_recipe,
 )
 from pace_strategy.core.errors import PacingConfigError
+from pace_strategy.shutdown import leave_without_finalization
 from pace_strategy.testing import Straggler
 
 __all__ = [
@@ -42,7 +42,6 @@ __all__ = [
     "StragglerRecipe",
     "TrainRecipe",
     "TrainerRecipe",
-    "leave_without_finalization",
     "load_recipe",
     "main_for",
     "run_accelerate",
@@ -223,17 +222,3 @@ def main_for(framework: str, argv: Sequence[str]) -> int:
             print(f"trained {trainer.global_step} steps; logs in {trainer.logger.log_dir}", flush=True)
         leave_without_finalization(0)
     leave_without_finalization(run_accelerate(recipe))
-
-
-def leave_without_finalization(status: int) -> NoReturn:
-    """End a finished training process now, skipping the interpreter's finalization.
-
-    Call it only when everything is closed and flushed (trackers, run record, process groups). With
-    gloo, a c10d worker thread that still holds the last reference to a Python-owned tensor when
-    finalization starts aborts the process ("terminate called without an active exception",
-    SIGABRT; see pytorch/pytorch#179291), so a complete run would report a failure. Seen about once
-    in 20-40 runs here, with either DDP monitor.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)

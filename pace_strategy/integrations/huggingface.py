@@ -154,7 +154,7 @@ def time_trainer_syncs(handle: PacingHandle) -> None:
         return
     from pace_strategy.hooks.framework_sync import time_framework_syncs
 
-    handle._undo.append(time_framework_syncs(session.pacer, session.pacer.exchange.group))
+    handle.on_detach(time_framework_syncs(session.pacer, session.pacer.exchange.group))
 
 
 def trainer_loop(trainer: Any, args: Any) -> RebalanceLoop:

@@ -25,7 +25,6 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -35,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
-from pace_strategy.core.pacer import WindowResult
+from pace_strategy.driver import PacingDriver
 from pace_strategy.hooks.ddp import attach_paced_ddp
 from pace_strategy.integrations.data import loader_workers, time_dataloader
 from pace_strategy.integrations.env import (
@@ -80,46 +79,21 @@ class PaceSummary:
         )
 
 
-class Pace:
-    """The pacing of one model in a plain PyTorch loop (what :func:`attach` returns).
+class Pace(PacingDriver):
+    """The pacing of one model in a plain PyTorch loop (what :func:`attach` returns): the
+    :class:`~pace_strategy.driver.PacingDriver` calls (``begin_step``, ``end_step``, ``state_dict``,
+    ``finish``, ``detach``, a context manager) plus the loop's loader and a summary.
 
     Every method is a no-op without a session (one process). :meth:`begin_step` and :meth:`end_step`
     are called on every rank, every step; :meth:`end_step` and :meth:`finish` are collective.
     """
 
+    rebalance: DataRebalance | None
+
     def __init__(self, model: nn.Module, config: PacingConfig, session: PacingSession | None) -> None:
+        super().__init__(config, session)
         self.model = model
-        self.config = config
-        self.session = session
-        self.steps = 0  #: steps ended through this handle
-        self.rebalance: DataRebalance | None = None  #: ``rebalance=True``: the loader's shares
-        self._undo: list[Any] = []
-        self._windows: list[WindowResult] = []
 
-    # ------------------------------------------------------------------ per step
-    def begin_step(self, step: int | None = None) -> None:
-        """The step's batch is in hand (default label: the steps ended so far)."""
-        if self.session is None:
-            return
-        self.session.pacer.begin_step(self.steps if step is None else step)
-        if self.rebalance is not None:
-            self.rebalance.begin_batch()
-
-    def end_step(self, samples: int | None = None) -> None:
-        """The optimizer step is done; ``samples``: what this rank trained on in the step (the
-        rebalancing loader reports it itself). Collective: every rank, every step."""
-        self.steps += 1
-        if self.session is None:
-            return
-        if samples is not None and self.rebalance is None:
-            self.session.pacer.set_samples(samples)
-        result = self.session.end_step()
-        if result is not None:
-            self._windows.append(result)
-        if self.rebalance is not None:
-            self.rebalance.end_step()
-
-    # ------------------------------------------------------------------ data
     def dataloader(self, loader: Any) -> Any:
         """Iterate this instead of ``loader``: its input wait is measured, and with ``rebalance=True``
         it is ``loader`` rebuilt around the rebalancing batch sampler (same dataset, batch size,
@@ -133,98 +107,44 @@ class Pace:
                 raise PacingConfigError("pace.dataloader(...) rebalances one training loader; call it once.")
             loader = self.rebalance.replace(loader)
         self.session.note_dataloader_workers(loader_workers(loader))
-        hook = time_dataloader(loader, lambda: self.session if self.attached else None)
+        hook = time_dataloader(loader, lambda: self.live_session)
         if hook is not None:
-            self._undo.append(hook.remove)
+            self.on_detach(hook.remove)
         return loader
 
     def _rebalance(self) -> DataRebalance:
         session = self.session
         assert session is not None
-        if not isinstance(self.model, DistributedDataParallel):
-            raise PacingConfigError(
-                "rebalance=True is supported with DDP, not FSDP yet; set rebalance=False for this model."
-            )
-        self.rebalance = DataRebalance(
+        rebalance = DataRebalance(
             session.pacer,
             session.pacer.rank,
             session.pacer.world_size,
             step_source=lambda: self.steps,
             framework_prefetch=0,  # a plain loop trains the batch it just took
         )
-        session.register_state(STATE_NAME, self.rebalance)
-        self._undo.append(self.rebalance.stop)
-        return self.rebalance
-
-    # ------------------------------------------------------------------ state, summary, end
-    @property
-    def attached(self) -> bool:
-        return self.session is not None and not self.session.finished
-
-    def state_dict(self) -> dict[str, Any]:
-        """The pacing state to save beside the model's (plain JSON-able data, the same on every rank)."""
-        return {} if self.session is None else self.session.state_dict(self.steps)
-
-    def load_state_dict(self, state: dict[str, Any] | None, source: str | None = None) -> None:
-        """Restore what :meth:`state_dict` saved (every rank, before the first step); the step count
-        resumes from it."""
-        if self.session is None:
-            return
-        self.session.load_state_dict(state, source=source)
-        saved = (state or {}).get("step")
-        if type(saved) is int:
-            self.steps = saved
+        session.register_state(STATE_NAME, rebalance)
+        self.on_detach(rebalance.stop)
+        self.rebalance = rebalance
+        return rebalance
 
     def summary(self) -> PaceSummary:
         """What was measured so far (all of it after :meth:`finish`)."""
-        stats = [w.stats for w in self._windows if w.stats.steps > 0]
-        world = self.session.world_size if self.session is not None else 1
-        counts = [0] * world
+        session = self.session
+        stats = [w.stats for w in self.windows if w.stats.steps > 0]
+        counts = [0] * (session.world_size if session is not None else 1)
         for s in stats:
             counts = [a + b for a, b in zip(counts, s.straggler_counts, strict=True)]
         skews = sorted(s.median_unpaced_skew_ms for s in stats)
         steps_ms = sorted(s.median_step_ms for s in stats)
         return PaceSummary(
             steps=self.steps,
-            windows=len(self._windows),
+            windows=len(self.windows),
             median_skew_ms=skews[len(skews) // 2] if skews else 0.0,
             median_step_ms=steps_ms[len(steps_ms) // 2] if steps_ms else 0.0,
             straggler_counts=tuple(counts),
-            delay_ms=self.session.pacer.delay_ms if self.session is not None else 0.0,
-            record=self.session.record_path
-            if self.session is not None and self.session.record_created
-            else None,
+            delay_ms=session.pacer.delay_ms if session is not None else 0.0,
+            record=session.record_path if session is not None and session.record_created else None,
         )
-
-    def finish(self) -> None:
-        """End of training, every rank (collective): the last window exchanged and written, the record
-        closed (``completed``), every hook removed. Idempotent."""
-        session = self.session
-        try:
-            if session is not None and not session.finished:
-                self._windows.extend(session.finish())
-        finally:
-            self.detach()
-
-    def detach(self) -> None:
-        """Remove every hook (local); a session not finished is closed as ``detached``. Idempotent."""
-        while self._undo:
-            self._undo.pop()()
-        if self.session is not None:
-            self.session.close(status="detached")
-
-    def __enter__(self) -> Pace:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if error is None:
-            self.finish()
-            return
-        if self.session is not None:
-            self.session.fail(error)  # local: the peers may be gone
-        self.detach()
 
 
 def attach(
@@ -280,16 +200,16 @@ def attach(
             from pace_strategy.hooks.fsdp import register_paced_collectives, unregister_paced_collectives
 
             register_paced_collectives(model, session.pacer)
-            pace._undo.append(functools.partial(unregister_paced_collectives, model))
+            pace.on_detach(functools.partial(unregister_paced_collectives, model))
         else:
             assert isinstance(model, DistributedDataParallel)
             if config.rebalance:  # the share factor goes on the gradient, in the comm hook
                 rebalance = pace._rebalance()
-                pace._undo.append(
+                pace.on_detach(
                     attach_paced_ddp(model, session.pacer, share_scaled_allreduce, rebalance).remove
                 )
             else:
-                pace._undo.append(attach_paced_ddp(model, session.pacer).remove)
+                pace.on_detach(attach_paced_ddp(model, session.pacer).remove)
     except BaseException:
         pace.detach()
         raise

@@ -28,8 +28,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from pace_strategy.apps.recipes import leave_without_finalization
 from pace_strategy.integrations.lightning import PacedDDPStrategy
+from pace_strategy.shutdown import leave_without_finalization
 
 #: steps of every fit: 2 epochs with 2 processes, 1 with one
 MAX_STEPS = 4

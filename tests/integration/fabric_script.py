@@ -25,8 +25,8 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader, TensorDataset
 
-from pace_strategy.apps.recipes import leave_without_finalization
 from pace_strategy.integrations.fabric import PacedFabricDDPStrategy, finish_pacing
+from pace_strategy.shutdown import leave_without_finalization
 
 SLOW_RANK, SLOW_MS, ACCUMULATE, BATCH = 1, 30, 2, 4
 

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from pace_strategy import PacingConfig, attach_paced_ddp
-from pace_strategy.apps.recipes import leave_without_finalization
 from pace_strategy.session import PacingSession
+from pace_strategy.shutdown import leave_without_finalization
 
 
 def _init(args: argparse.Namespace) -> tuple[int, int]:

@@ -25,8 +25,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from pace_strategy.apps.recipes import leave_without_finalization
 from pace_strategy.integrations.lightning import PacedDDPStrategy
+from pace_strategy.shutdown import leave_without_finalization
 
 #: a checkpoint every this many steps (file ``step=N.ckpt``)
 CKPT_EVERY = 20

@@ -13,7 +13,6 @@ loop with ``rebalance=True``; rank 1 is slow per sample instead (3 ms each, in b
 
 from __future__ import annotations
 
-import atexit
 import json
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import pace_strategy
-from pace_strategy.apps.recipes import leave_without_finalization
+from pace_strategy.shutdown import exit_without_finalization
 from pace_strategy.testing.slow import InjectionPoint
 
 STEPS, BATCH, SLOW_MS = 16, 8, 30.0
@@ -121,7 +120,6 @@ def train(
 if __name__ == "__main__":
     torch.set_num_threads(1)
     main(Path(sys.argv[1]), sys.argv[2])
-    # noend: what interpreter exit runs first, the exit handlers (pace_strategy's closes the record);
-    # then, like the others, no finalization (torch's gloo shutdown abort: docs/hazards.md)
-    atexit._run_exitfuncs()
-    leave_without_finalization(0)
+    # what interpreter exit runs (noend: pace_strategy's exit handler closes the record), less its
+    # finalization (torch's gloo shutdown abort: docs/hazards.md)
+    exit_without_finalization(0)

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from pace_strategy.apps.recipes import leave_without_finalization
 from pace_strategy.integrations.lightning import PacedDDPStrategy
+from pace_strategy.shutdown import leave_without_finalization
 
 SAMPLES = 100  # 6 full steps of 16 and a partial one of 4 per epoch
 BATCH = 8  # per rank: a global batch of 16

@@ -16,10 +16,9 @@ import importlib.metadata
 import logging
 import os
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Literal
 
 import torch
@@ -27,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
+from pace_strategy.driver import PacingDriver
 from pace_strategy.hooks.ddp import attach_paced_ddp
 from pace_strategy.integrations._preemption import SigtermHandler
 from pace_strategy.integrations.data import loader_workers, time_dataloader
@@ -79,54 +79,32 @@ class RebalanceLoop:
                 raise PacingConfigError(f"RebalanceLoop.{name}={value!r}: expected an integer >= {least}.")
 
 
-class PacingHandle:
-    """What :func:`attach_pacing` returns: the session, the step count and every hook registered.
+class PacingHandle(PacingDriver):
+    """What :func:`attach_pacing` returns: the :class:`~pace_strategy.driver.PacingDriver` of the
+    attached model, whose steps its hooks drive (a step begins at its first batch, from a timed
+    dataloader, or at its first forward for a script that feeds the model itself; it ends after the
+    synchronizing optimizer step, so an accumulated step spans its micro-batches).
 
-    End training with :meth:`finish` on every rank, or run it inside ``with handle:`` (normal exit:
-    :meth:`finish`; an exception: the run record is closed as failed, locally). :meth:`detach` stops
-    pacing early, on this rank. A script that does neither gets its record closed at exit with status
-    ``incomplete`` (and loses the steps of the last, unexchanged window); one stopped by SIGTERM gets
-    it closed as ``terminated`` (see :func:`attach_pacing`).
+    End training with :meth:`finish` on every rank, or ``accelerator.end_training()``, or run it
+    inside ``with handle:`` (normal exit: :meth:`finish`; an exception: the run record is closed as
+    failed, locally). :meth:`detach` stops pacing early, on this rank. A script that does none of
+    these gets its record closed at exit (``incomplete``, or ``failed`` after an uncaught exception)
+    and loses the steps of the last, unexchanged window; one stopped by SIGTERM gets it closed as
+    ``terminated`` (see :func:`attach_pacing`).
 
     Checkpoints: ``accelerator.register_for_checkpointing(handle)`` after :func:`attach_pacing`, and
     ``accelerator.save_state`` / ``load_state`` save and restore the pacing state
-    (:meth:`state_dict`, :meth:`load_state_dict`) with the rest.
+    (:meth:`state_dict`, :meth:`load_state_dict`: the step count continues from the saved one; the
+    ``resume`` line's ``from`` is null, accelerate does not tell the object where the checkpoint is).
     """
 
+    rebalance: DataRebalance | None  #: the rebalanced training loader (see :func:`_rebalance_data`)
+
     def __init__(self, model: Any, config: PacingConfig, session: PacingSession | None) -> None:
-        self.config = config  #: the configuration in effect
-        self.session = session  #: ``None`` on a single process: nothing is attached
-        self.steps = 0  #: synchronized optimizer steps seen
+        super().__init__(config, session)
         self._model = model
-        self._undo: list[Callable[[], object]] = []  # one per registration, undone in reverse
         #: attached by ``pace launch`` itself (``zero_code``): the script's own attach_pacing takes it over
         self._automatic = False
-        self._loaded: dict[str, Any] | None = None  # a restored state kept while there is no session
-        #: the rebalanced training loader (``rebalance=True``; see :func:`_rebalance_data`)
-        self.rebalance: DataRebalance | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        """The pacing state after :attr:`steps` steps, plain JSON-able data, the same on every rank
-        (``accelerator.save_state`` calls it on every process; the main one writes it). Local."""
-        if self.session is not None:
-            return self.session.state_dict(self.steps)
-        return dict(self._loaded) if self._loaded is not None else {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (``accelerator.load_state``, on every process; local).
-
-        The step count continues from the saved one, the controller's state and cool-down are
-        restored and the run record gets a ``resume`` line (``from`` is null: accelerate does not
-        tell the object where the checkpoint is). A state that cannot be restored is skipped with a
-        warning; an empty one (saved without a session) restores nothing.
-        """
-        loaded = dict(state) or None
-        if loaded is not None and type(loaded.get("step")) is int:
-            self.steps = loaded["step"]
-        if self.session is None:
-            self._loaded = loaded
-        else:
-            self.session.load_state_dict(loaded, step=self.steps)
 
     @property
     def record_path(self) -> Path | None:
@@ -137,62 +115,24 @@ class PacingHandle:
     def attached(self) -> bool:
         return _ATTACHED.get(id(self._model)) is self
 
-    # Step events. A step begins when its first batch is ready (a timed dataloader) or, for a script
-    # that feeds the model itself, at its first forward; it ends after the synchronizing optimizer
-    # step. So an accumulated step spans all its micro-batches, and only synchronizing steps count.
-    def _live_session(self) -> PacingSession | None:
-        session = self.session
-        return None if session is None or session.finished else session
-
+    # The hooks' entry points.
     def _begin(self, module: Any, args: Any) -> None:
-        if self.session is not None:
+        if self.session is not None:  # a forward: the step begins, unless a batch began it
             self.session.pacer.begin_step(self.steps)
 
     def _batch_ready(self, session: PacingSession) -> None:
-        session.pacer.begin_step(self.steps)
-        if self.rebalance is not None:
-            self.rebalance.begin_batch()
+        self.begin_step()
 
     def _end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.steps += 1
-        if self.session is not None:
-            self.session.end_step()
-        if self.rebalance is not None:
-            self.rebalance.end_step()
-
-    def finish(self) -> None:
-        """End of training, on every rank (collective): exchange the last steps, close the run record,
-        then :meth:`detach`. ``accelerator.end_training()`` calls it first (it ends the trackers the
-        last steps are logged to and the process group). Idempotent."""
-        try:
-            if self.session is not None:
-                self.session.finish()
-        finally:
-            self.detach()
+        self.end_step()
 
     def detach(self) -> None:
         """Remove every hook :func:`attach_pacing` registered and, unless :meth:`finish` did, close
         the run record (status ``detached``). Local (no collective); idempotent. The model can be
         attached again, except with ``ddp_monitor: comm_hook`` (DDP takes one comm hook per model)."""
-        while self._undo:
-            self._undo.pop()()
-        if self.session is not None:
-            self.session.close(status="detached")
+        super().detach()
         if self.attached:
             del _ATTACHED[id(self._model)]
-
-    def __enter__(self) -> PacingHandle:
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        if error is None:
-            self.finish()
-            return
-        if self.session is not None:
-            self.session.fail(error)  # local: the peers may be gone
-        self.detach()
 
 
 def attach_pacing(
@@ -306,7 +246,7 @@ def _finish_before_end_training(handle: PacingHandle, accelerator: Any) -> None:
             del accelerator.end_training
 
     accelerator.end_training = paced_end_training
-    handle._undo.append(restore)
+    handle.on_detach(restore)
 
 
 def _handle_sigterm(handle: PacingHandle, session: PacingSession) -> None:
@@ -320,7 +260,7 @@ def _handle_sigterm(handle: PacingHandle, session: PacingSession) -> None:
 
     sigterm = SigtermHandler(terminate)
     if sigterm.install():
-        handle._undo.append(sigterm.remove)
+        handle.on_detach(sigterm.remove)
 
 
 def _take_over(automatic: PacingHandle) -> None:
@@ -346,27 +286,27 @@ def _register(
     fsdp: bool,
     scale_gradient: bool,
 ) -> None:
-    undo = handle._undo
+    undo = handle.on_detach  # undone in reverse order
     if fsdp:
         from pace_strategy.hooks.fsdp import register_paced_collectives, unregister_paced_collectives
 
         register_paced_collectives(model, session.pacer)
-        undo.append(functools.partial(unregister_paced_collectives, model))
+        undo(functools.partial(unregister_paced_collectives, model))
     elif handle.rebalance is not None and scale_gradient:  # the share factor goes on the gradient
-        undo.append(attach_paced_ddp(model, session.pacer, share_scaled_allreduce, handle.rebalance).remove)
+        undo(attach_paced_ddp(model, session.pacer, share_scaled_allreduce, handle.rebalance).remove)
     else:
-        undo.append(attach_paced_ddp(model, session.pacer).remove)
+        undo(attach_paced_ddp(model, session.pacer).remove)
     if handle.rebalance is not None:
-        undo.append(handle.rebalance.stop)
-    undo.append(model.register_forward_pre_hook(handle._begin).remove)
+        undo(handle.rebalance.stop)
+    undo(model.register_forward_pre_hook(handle._begin).remove)
     # accelerate's optimizer wrapper steps the wrapped optimizer only where gradients synchronize.
     inner = getattr(optimizer, "optimizer", optimizer)
-    undo.append(inner.register_step_post_hook(handle._end).remove)
+    undo(inner.register_step_post_hook(handle._end).remove)
     for loader in loaders:
         session.note_dataloader_workers(loader_workers(loader))
-        hook = time_dataloader(loader, handle._live_session, on_batch=handle._batch_ready)
+        hook = time_dataloader(loader, lambda: handle.live_session, on_batch=handle._batch_ready)
         if hook is not None:
-            undo.append(hook.remove)
+            undo(hook.remove)
 
 
 def _rebalance_data(
