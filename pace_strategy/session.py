@@ -32,6 +32,14 @@ from pace_strategy.core.clock import Clock, CudaEventClock, clock_for_device
 from pace_strategy.core.comm import gather_json
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PaceDistributedError, PaceHangError
+from pace_strategy.core.evidence import (
+    EVIDENCE_DIR,
+    flight_recorder_dump,
+    kill_frozen_local_ranks,
+    python_stacks,
+    rank_marks,
+    write_evidence,
+)
 from pace_strategy.core.gc_monitor import GcMonitor
 from pace_strategy.core.gc_sync import GcSync
 from pace_strategy.core.netif import GLOO_IFNAME_VARIABLE, gloo_interface
@@ -494,26 +502,89 @@ class PacingSession:
         watchdog.start()
         return watchdog
 
+    def _hang_line(self, report: HangReport) -> dict[str, Any]:
+        """The run record's ``hang`` line: the report, plus each named rank's process and GPU."""
+        line = report.line(self.config.hang_action)
+        named = [self.topology[r] if 0 <= r < len(self.topology) else {} for r in report.ranks]
+        line["pids"] = [p.get("pid") for p in named]
+        line["gpus"] = [
+            p.get("gpu_uuid") or (p.get("device") if p.get("device") != "cpu" else None) for p in named
+        ]
+        return line
+
+    def _hang_evidence(
+        self, watchdog: HangWatchdog, report: HangReport, line: Mapping[str, Any]
+    ) -> Path | None:
+        """Every rank publishes its Python stacks; rank 0 collects the live ranks' (a bounded wait),
+        writes ``RUN_DIR/hang/`` (:func:`~pace_strategy.core.evidence.write_evidence`) and announces it
+        on the store. Returns the directory on rank 0. Best effort: a failure is logged, never raised."""
+        try:
+            stacks = python_stacks()
+            watchdog.publish_stacks(stacks)
+            if self.record_path is None:
+                return None
+            live = [r for r in range(self.world_size) if r not in report.stale and r != self.rank]
+            collected = watchdog.collect_stacks(live, timeout_s=self._evidence_wait_s())
+            collected[self.rank] = stacks
+            entries = watchdog.read() or {}
+            marks = {
+                r: None if e is None else rank_marks(e.progress, e.step, e.alive_s)
+                for r, e in entries.items()
+            }
+            directory = self.record_path.parent / EVIDENCE_DIR
+            return write_evidence(directory, line, marks, collected, flight_recorder_dump())
+        except Exception:
+            log.exception("pace_strategy: could not write the hang evidence")
+            return None
+        finally:
+            if self.record_path is not None:
+                watchdog.announce_evidence()  # written or not: nobody waits longer for it
+
+    def _evidence_wait_s(self) -> float:
+        """How long rank 0 waits for the live ranks' stacks (they publish them at their verdict, within
+        a heartbeat or two of each other)."""
+        return min(10.0, self.config.hang_timeout_s)
+
     def _on_hang(self, report: HangReport) -> None:
-        """Watchdog thread, once ranks are named: rank 0 records the hang; with ``hang_action="abort"``
-        the record is closed (status ``hung``) and the process exits, since a thread cannot raise
-        into a training thread blocked in a C++ collective."""
+        """Watchdog thread, once ranks are named: rank 0 records the hang and its evidence
+        (``RUN_DIR/hang/``: every live rank's stacks, where each rank stood, the Flight Recorder).
+        With ``hang_action="abort"``: rank 0 closes the record (status ``hung``) first, the ranks on
+        this host whose heartbeat stopped are ended (SIGKILL: a stopped process holds its launcher's
+        pipes), every rank stays until rank 0 has the evidence (a rank that left first would break
+        rank 0's collective) and the process exits, since a thread cannot raise into a training thread
+        blocked in a C++ collective."""
+        watchdog = self.watchdog
+        line = self._hang_line(report)
         try:
             if self.record is not None:
-                self.record.write_line(report.line(self.config.hang_action))
+                self.record.write_line(line)
         except Exception:  # the disk: the verdict is logged anyway, and the abort must still happen
             log.exception("pace_strategy: could not write the hang line to %s", self.record_path)
-        if self.config.hang_action != "abort":
-            return
+        abort = self.config.hang_action == "abort"
         try:
-            text = "; ".join(report.sentences())
-            error = PaceHangError(self.rank, self.world_size, f"{text}; aborted (hang_action='abort')")
-            watchdog = self.watchdog
-            if not self._finished:
+            if abort and not self._finished:  # the end line first: nothing after may be in time
                 self._finished = True
-                self._close("hung", error)
+                self._close("hung", self._hang_error(report, line))
+            evidence = None if watchdog is None else self._hang_evidence(watchdog, report, line)
+            if evidence is not None:
+                log.error(
+                    "[rank %d/%d] pace_strategy: hang evidence in %s", self.rank, self.world_size, evidence
+                )
+            if not abort:
+                return
+            host = str(self.topology[self.rank].get("host")) if self.rank < len(self.topology) else ""
+            killed = kill_frozen_local_ranks(report.stale, self.topology, host, self.rank)
+            if killed:
+                log.error(
+                    "[rank %d/%d] pace_strategy: ended frozen rank(s) %s on this host (SIGKILL)",
+                    self.rank,
+                    self.world_size,
+                    ", ".join(map(str, killed)),
+                )
             if watchdog is not None:
                 watchdog.wait_for_verdicts(report)  # leave together: see HangWatchdog.wait_for_verdicts
+                if self.rank != 0 and 0 not in report.ranks:
+                    watchdog.wait_for_evidence(self._evidence_wait_s() + 2 * watchdog.interval_s)
             log.error(
                 "[rank %d/%d] pace_strategy: aborting the process (exit code %d) so that the launcher "
                 "can restart the job%s",
@@ -523,10 +594,24 @@ class PacingSession:
                 f"; run record kept at {self.record_path}" if self.record_created else "",
             )
         finally:
-            logging.shutdown()  # flush every handler: nothing runs after os._exit
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(HANG_EXIT_CODE)
+            if abort:
+                logging.shutdown()  # flush every handler: nothing runs after os._exit
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(HANG_EXIT_CODE)
+
+    def _hang_error(self, report: HangReport, line: Mapping[str, Any]) -> PaceHangError:
+        """The typed error of an abort: the verdict, and each hung rank's host, pid and GPU."""
+        who = ", ".join(
+            f"rank {r} (host {h}, pid {p}{f', GPU {g}' if g else ''})"
+            for r, h, p, g in zip(report.ranks, line["hosts"], line["pids"], line["gpus"], strict=True)
+        )
+        text = "; ".join(report.sentences())
+        error = PaceHangError(
+            self.rank, self.world_size, f"{text}; hung: {who}; aborted (hang_action='abort')"
+        )
+        error.ranks, error.hosts, error.pids = tuple(report.ranks), tuple(line["hosts"]), tuple(line["pids"])
+        return error
 
     def gc_report(self) -> dict[str, Any]:
         """This rank's garbage-collector totals since the session started (and what gc_sync did)."""

@@ -29,4 +29,12 @@ class PaceTimeoutError(PaceDistributedError):
 
 
 class PaceHangError(PaceDistributedError):
-    """The hang watchdog named ranks that stopped arriving (the run record's ``hung`` status)."""
+    """The hang watchdog named ranks that stopped arriving (the run record's ``hung`` status).
+
+    ``ranks``, ``hosts`` and ``pids`` name the hung ranks (for a launcher or a callback to act on, e.g.
+    to exclude a host on restart); empty when not known.
+    """
+
+    ranks: tuple[int, ...] = ()
+    hosts: tuple[str, ...] = ()
+    pids: tuple[int | None, ...] = ()

@@ -13,6 +13,7 @@ others' by the time it has been stopped.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -356,6 +357,44 @@ class HangWatchdog:
                 return True
             time.sleep(min(0.1, self.interval_s))
         return not others
+
+    def publish_stacks(self, text: str) -> None:
+        """Put this rank's Python stacks on the store (the hang evidence; rank 0 collects them)."""
+        self._call(lambda: self._store.set(f"stacks{self.rank}", text))
+
+    def collect_stacks(self, ranks: Sequence[int], timeout_s: float) -> dict[int, str]:
+        """The stacks ``ranks`` have published, waiting at most ``timeout_s`` for them all (a rank
+        reaches its verdict within a heartbeat or two of the others; a frozen one never does)."""
+        keys = {r: f"stacks{r}" for r in ranks}
+        found: dict[int, str] = {}
+        deadline = self._clock() + timeout_s
+        while True:
+            for r, key in keys.items():
+                if r not in found:
+                    value = self._call(functools.partial(self._stored, key))
+                    if value is not None:
+                        found[r] = value.decode(errors="replace")
+            if len(found) == len(keys) or self._clock() >= deadline:
+                return found
+            time.sleep(min(0.1, self.interval_s))
+
+    def announce_evidence(self) -> None:
+        """Rank 0: the hang evidence is written (or given up on)."""
+        self._call(lambda: self._store.set("evidence", "1"))
+
+    def wait_for_evidence(self, timeout_s: float) -> bool:
+        """Before this rank aborts: wait, at most ``timeout_s``, until rank 0 announces the evidence. A
+        rank that left first would break the collective rank 0's training thread is blocked in, and
+        that thread would end the process before the evidence is written. Returns whether it had."""
+        deadline = self._clock() + timeout_s
+        while self._clock() < deadline:
+            if self._call(lambda: self._store.check(["evidence"])):
+                return True
+            time.sleep(min(0.1, self.interval_s))
+        return False
+
+    def _stored(self, key: str) -> bytes | None:
+        return bytes(self._store.get(key)) if self._store.check([key]) else None
 
     def read(self) -> dict[int, RankProgress | None] | None:
         """Every rank's entry (``None`` for one not written); ``None`` when the store is unreachable."""

@@ -11,6 +11,7 @@ import numpy as np
 from pace_strategy.diagnose.config import DiagnosisConfig
 from pace_strategy.diagnose.gc_checks import gc_pauses
 from pace_strategy.diagnose.group_checks import fabric_contention, sync_amplification
+from pace_strategy.diagnose.hang import hang_evidence_notes
 from pace_strategy.diagnose.projection import DEFAULT_PROJECT_RANKS, project
 from pace_strategy.diagnose.rank_checks import (
     data_stall,
@@ -89,6 +90,8 @@ def diagnose(
         )
     notes += timeline_notes(a)
     notes += [f"hang: {hang_text(h)}" for h in a.hangs]
+    if a.hangs:
+        notes += hang_evidence_notes(a.path)
     notes += _restart_notes(a)
     if a.steps < cfg.min_steps or a.world_size < MIN_RANKS:
         return Diagnosis(

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pace_strategy.core.evidence import process_start
+
 if TYPE_CHECKING:  # only a rank that is training places itself; readers of the record need no torch
     import torch
 
@@ -41,6 +43,10 @@ class RankPlacement:
     #: CUDA: whether the rank's CPU affinity lies within the GPU's NUMA node (``None``: unknown); a rank
     #: pinned to the far socket pays every host-device copy across the interconnect
     affinity_on_gpu_numa: bool | None = None
+    pid: int | None = None  #: the rank's process id on its host
+    #: Linux: the process's start time (clock ticks since boot, ``/proc/PID/stat`` field 22): with
+    #: ``pid``, an identity no later process on the host has (a pid may be reused, this pair is not)
+    pid_start: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -161,4 +167,6 @@ def local_placement(
         gpu_uuid=uuid,
         pci_bus_id=pci,
         affinity_on_gpu_numa=near,
+        pid=os.getpid(),
+        pid_start=process_start(os.getpid()),
     )

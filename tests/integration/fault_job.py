@@ -3,8 +3,11 @@
 ``python fault_job.py RUN_DIR [options]``. Under torchrun the rank, world size and store come from the
 environment; with ``--store-port`` the ranks rendezvous on the test's own TCPStore (``--rank``,
 ``--world``), so that a stopped rank does not take the store with it, as under torchrun. Each rank
-trains a tiny model for ``--steps`` steps and writes ``RUN_DIR/reached{rank}`` after ``--ready-at``.
-Faults: ``--sleep-rank`` sleeps inside its step ``--sleep-at`` (blocked, heartbeat live);
+trains a tiny model for ``--steps`` steps and writes ``RUN_DIR/reached{rank}`` (its pid) after
+``--ready-at``.
+Faults: ``--sleep-rank`` is blocked at step ``--sleep-at`` (heartbeat live), where ``--sleep-in``
+says: ``step`` (a sleep inside its step), ``loader`` (a sleep in its data loader, fetching the step's
+batch), ``lock`` (a Python deadlock: acquiring a lock another thread holds);
 ``--exit-rank`` dies with ``os._exit(1)`` at step ``--exit-at`` on the job's first attempt only
 (``TORCHELASTIC_RESTART_COUNT`` 0). The tests stop ranks with SIGSTOP themselves.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +42,29 @@ def _init(args: argparse.Namespace) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def batches(steps: int, sleep_at: int):
+    """The data loader: one batch per step; at ``sleep_at`` it blocks fetching the batch."""
+    x, y = torch.randn(4, 8), torch.randn(4, 4)
+    for step in range(steps):
+        if step == sleep_at:
+            time.sleep(600)
+        yield x, y
+
+
+def deadlock() -> None:
+    """Acquire a lock that another thread holds and never releases (a Python deadlock)."""
+    lock, held = threading.Lock(), threading.Event()
+
+    def hold() -> None:
+        lock.acquire()
+        held.set()
+        threading.Event().wait()
+
+    threading.Thread(target=hold, name="holds-the-lock", daemon=True).start()
+    held.wait()
+    lock.acquire()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("run_dir")
@@ -48,6 +75,7 @@ def main() -> None:
     p.add_argument("--ready-at", type=int, default=6)
     p.add_argument("--sleep-rank", type=int, default=-1)
     p.add_argument("--sleep-at", type=int, default=-1)
+    p.add_argument("--sleep-in", choices=("step", "loader", "lock"), default="step")
     p.add_argument("--exit-rank", type=int, default=-1)
     p.add_argument("--exit-at", type=int, default=-1)
     p.add_argument("--hang-timeout", type=float, default=120.0)
@@ -77,12 +105,15 @@ def main() -> None:
     model = DDP(torch.nn.Linear(8, 4))
     attach_paced_ddp(model, session.pacer)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(4, 8), torch.randn(4, 4)
-    for step in range(args.steps):
+    blocked = rank == args.sleep_rank
+    loader_sleeps_at = args.sleep_at if blocked and args.sleep_in == "loader" else -1
+    for step, (x, y) in enumerate(batches(args.steps, loader_sleeps_at)):
         session.pacer.begin_step(step)
         time.sleep(0.01)  # stands in for compute: keeps the 2 cores free for the other ranks
-        if rank == args.sleep_rank and step == args.sleep_at:
+        if blocked and step == args.sleep_at and args.sleep_in == "step":
             time.sleep(600)
+        if blocked and step == args.sleep_at and args.sleep_in == "lock":
+            deadlock()
         if rank == args.exit_rank and step == args.exit_at and first_attempt:
             os._exit(1)  # a rank that dies: torchrun stops the others and restarts the job
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -90,7 +121,7 @@ def main() -> None:
         opt.zero_grad()
         session.end_step()
         if step + 1 == args.ready_at:
-            (run_dir / f"reached{rank}").write_text(str(step))
+            (run_dir / f"reached{rank}").write_text(str(os.getpid()))
     session.finish()
     dist.destroy_process_group()
     leave_without_finalization(0)
