@@ -48,10 +48,10 @@ from pace_strategy.core.state import STATE_VERSION, PacingStateError, StatefulCo
 from pace_strategy.core.summary import StepSummarizer
 from pace_strategy.core.watchdog import HANG_EXIT_CODE, HangReport, HangWatchdog, job_store
 from pace_strategy.telemetry.run_record import RunRecordWriter, record_filename
-from pace_strategy.telemetry.schema import step_metrics
+from pace_strategy.telemetry.schema import dashboard_layout, step_metrics
 from pace_strategy.telemetry.topology import elastic_restart_count, local_placement
 
-__all__ = ["MetricsSink", "PacingSession", "side_group"]
+__all__ = ["DashboardSink", "MetricsSink", "PacingSession", "side_group"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ _SESSION_NUMBERS = itertools.count()
 
 #: Receives one step's tags and the step's true global step (e.g. a framework logger's log_metrics).
 MetricsSink = Callable[[Mapping[str, float], int], None]
+#: Receives the dashboard layout once (e.g. a TensorBoard ``SummaryWriter.add_custom_scalars``).
+DashboardSink = Callable[[Mapping[str, Any]], None]
 
 
 def side_group(config: PacingConfig) -> dist.ProcessGroup | None:
@@ -122,6 +124,9 @@ class PacingSession:
             created there before the first window is written, or the session closes after at
             least one step.
         metrics_sink: rank 0: receives every step's ``pace/`` tags.
+        dashboard: rank 0: receives the TensorBoard custom-scalars layout of those tags
+            (:func:`~pace_strategy.telemetry.schema.dashboard_layout`) once, before the first step's
+            tags (an adapter passes its writer's ``add_custom_scalars``).
         clock: how durations are measured (default: ``clock_for_device(device)``).
         owns_group: release ``group`` at :meth:`finish`.
     """
@@ -138,6 +143,7 @@ class PacingSession:
         topology: Sequence[Mapping[str, Any]],
         log_dir: str | os.PathLike[str] | None = None,
         metrics_sink: MetricsSink | None = None,
+        dashboard: DashboardSink | None = None,
         clock: Clock | None = None,
         owns_group: bool = False,
     ) -> None:
@@ -157,6 +163,7 @@ class PacingSession:
                 clock.calibrate()  # now, on the session's device: not inside the first paced step
         self.pacer = Pacer(config, group, rank, world_size, clock)
         self.metrics_sink = metrics_sink if rank == 0 else None
+        self._dashboard = dashboard if rank == 0 else None
         self.topology = [dict(placement) for placement in topology]
         self.record: RunRecordWriter | None = None
         self.record_path: Path | None = None
@@ -302,6 +309,16 @@ class PacingSession:
     def _publish_now(self, result: WindowResult) -> None:
         self._log_warnings(result)
         summaries = self._summarizer.summarize(result.gathered)
+        if self._dashboard is not None:
+            dashboard, self._dashboard = self._dashboard, None  # once, whatever happens
+            try:
+                dashboard(
+                    dashboard_layout(
+                        self.world_size, self.config.per_rank_tag_limit, batch_shares=self.config.rebalance
+                    )
+                )
+            except Exception:  # a dashboard is a convenience: the tags still go out
+                log.warning("pace_strategy: could not write the TensorBoard dashboard layout", exc_info=True)
         if self.metrics_sink is not None:
             for summary in summaries:
                 metrics = step_metrics(

@@ -18,6 +18,7 @@ import dataclasses
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="nodes (launch one process group per node with NODE_RANK set)",
     )
     p.add_argument("--steps", type=int, default=200, help="optimizer steps; default 200")
-    p.add_argument("--straggler", default="2:30", help="RANK:MS[:PROB],... injected delay; '' for none")
+    p.add_argument(
+        "--straggler",
+        default=None,
+        help="RANK:MS[:PROB],... injected delay; '' for none; default: rank 2 (the last rank of a smaller "
+        "run) 30 ms",
+    )
     p.add_argument(
         "--straggler-local",
         default="",
@@ -185,12 +191,34 @@ def demo_recipe(args: argparse.Namespace) -> TrainRecipe:
     return recipe
 
 
+def default_straggler(devices: int, num_nodes: int) -> str:
+    """``--straggler``'s default: rank 2 (or the last rank of a smaller run) 30 ms late; none on one rank."""
+    world = devices * num_nodes
+    return f"{min(2, world - 1)}:30" if world > 1 else ""
+
+
+def _check_ranks(flag: str, stragglers: Sequence[Straggler], limit: int, what: str = "rank") -> None:
+    """Every straggler of ``flag`` names a ``what`` in ``0..limit-1``, or the run would inject nothing
+    and report a healthy run without a word."""
+    counted = "--devices" if what == "local index" else "--devices x --num-nodes"
+    for s in stragglers:
+        if not 0 <= s.rank < limit:
+            raise PacingConfigError(
+                f"{flag}: {what} {s.rank} does not exist in this run: expected 0..{limit - 1} ({counted})"
+            )
+
+
 def _stragglers(args: argparse.Namespace) -> list[Straggler]:
     """``--straggler`` plus ``--straggler-local`` (that local index on every node), spent where
-    ``--straggler-phase`` says, as sleeps or (``--spin``) CPU work."""
-    stragglers = parse_stragglers(args.straggler or "")
+    ``--straggler-phase`` says, as sleeps or (``--spin``) CPU work. A rank or local index outside the
+    run is an error naming the flag and the valid range."""
+    world = args.devices * args.num_nodes
+    stragglers = parse_stragglers(_straggler_text(args))
+    _check_ranks("--straggler", stragglers, world)
+    local = parse_stragglers(args.straggler_local)
+    _check_ranks("--straggler-local", local, args.devices, "local index")
     # local index -> global ranks, as the launcher numbers them: node_rank * devices + local_rank
-    for s in parse_stragglers(args.straggler_local):
+    for s in local:
         for node in range(args.num_nodes):
             rank = node * args.devices + s.rank
             stragglers.append(Straggler(rank=rank, delay_ms=s.delay_ms, probability=s.probability))
@@ -198,7 +226,12 @@ def _stragglers(args: argparse.Namespace) -> list[Straggler]:
     slow = [
         dataclasses.replace(s, spin=args.spin) for s in parse_slow_devices(args.slow_device, args.sample_ms)
     ]
+    _check_ranks("--slow-device", slow, world)
     return placed + slow
+
+
+def _straggler_text(args: argparse.Namespace) -> str:
+    return default_straggler(args.devices, args.num_nodes) if args.straggler is None else args.straggler
 
 
 def _callbacks(args: argparse.Namespace) -> list[Any]:
@@ -223,21 +256,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+#: third-party warnings a demo user can do nothing about, hidden in the demo's own processes (every
+#: rank runs main): (message regex, category). The library itself filters nothing.
+KNOWN_WARNINGS = (
+    # torch 2.13 deprecates LeafSpec, which Lightning 2.6's _pytree still builds at every step
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+)
+
+
+def quiet_known_warnings() -> None:
+    """Hide :data:`KNOWN_WARNINGS` in this process, so that a newcomer sees the demo's own output."""
+    for message, category in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         recipe = demo_recipe(args)
         stragglers = _stragglers(args)
         data_stragglers = parse_stragglers(args.data_delay)
+        _check_ranks("--data-delay", data_stragglers, args.devices * args.num_nodes)
     except PacingConfigError as error:
         print(f"pace demo: error: {error}", file=sys.stderr)
         return 2
     one_thread_per_rank()
+    quiet_known_warnings()
     is_launcher = os.environ.get("LOCAL_RANK") is None
     if is_launcher and not args.quiet:
         print(
             f"pace demo: {args.devices} CPU ranks, {args.steps} steps, strategy {args.strategy}, "
-            f"straggler {args.straggler or 'none'}, emulated compute {args.compute_ms:g} ms/step",
+            f"straggler {_straggler_text(args) or 'none'}, emulated compute {args.compute_ms:g} ms/step",
             flush=True,
         )
     t0 = time.monotonic()

@@ -34,6 +34,17 @@ def _bin_steps(values: np.ndarray, max_columns: int) -> tuple[np.ndarray, np.nda
     return edges[:-1], binned
 
 
+def index_bars(ax: Any, values: list[float], label: str) -> None:
+    """One bar per rank (or node) on ``ax``, with integer ticks only: matplotlib's default locator puts
+    ticks at -0.5, 0.0, 0.5 ... for a few bars, and thousands of labels at 1,024 ranks."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.bar(range(len(values)), values)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(max(len(values), 1), 16)))
+    ax.set_xlim(-0.6, len(values) - 0.4)
+    ax.set_xlabel(label)
+
+
 def _figures(a: RunArrays, cfg: DiagnosisConfig, diagnosis: Diagnosis) -> dict[str, bytes]:
     import matplotlib
 
@@ -93,11 +104,9 @@ def _figures(a: RunArrays, cfg: DiagnosisConfig, diagnosis: Diagnosis) -> dict[s
         per_node: dict[str, float] = {}
         for r in range(a.world_size):
             per_node[nodes[r]] = per_node.get(nodes[r], 0.0) + counts[r]
-        ax.bar(range(len(per_node)), list(per_node.values()))
-        ax.set_xlabel("node")
+        index_bars(ax, list(per_node.values()), "node")
     else:
-        ax.bar(range(a.world_size), counts)
-        ax.set_xlabel("rank")
+        index_bars(ax, counts.tolist(), "rank")
     ax.set_ylabel("share of steps last")
     ax.set_title("How often each rank was the straggler")
     save("stragglers", fig)

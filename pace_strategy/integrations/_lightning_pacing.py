@@ -32,6 +32,7 @@ from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.state import CHECKPOINT_KEY
 from pace_strategy.hooks.ddp import CommHook, attach_paced_ddp
 from pace_strategy.integrations._preemption import SigtermHandler
+from pace_strategy.integrations.dashboard import custom_scalars_sink, tensorboard_loggers
 from pace_strategy.integrations.data import loader_workers, time_dataloader
 from pace_strategy.integrations.env import (
     RUN_DIR_ENV,
@@ -160,6 +161,7 @@ class StrategyPacing:
             framework="lightning",
             log_dir=_record_dir(trainer, self.run_dir) if strategy.global_rank == 0 else None,
             metrics_sink=_metrics_sink(trainer),
+            dashboard=custom_scalars_sink(lambda: tensorboard_loggers(trainer.loggers)),
             node_rank=strategy.node_rank,
             local_rank=strategy.local_rank,
         )

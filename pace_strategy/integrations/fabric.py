@@ -31,6 +31,7 @@ from pace_strategy.core.config import PacingConfig
 from pace_strategy.hooks.ddp import attach_paced_ddp
 from pace_strategy.integrations._arguments import parent_arguments
 from pace_strategy.integrations._lightning_mixins import StrategyRegistry, register_paced_ddp
+from pace_strategy.integrations.dashboard import custom_scalars_sink, tensorboard_loggers
 from pace_strategy.integrations.data import loader_workers, time_dataloader
 from pace_strategy.integrations.env import (
     RUN_DIR_ENV,
@@ -95,6 +96,7 @@ class FabricPacing:
             framework="fabric",
             log_dir=self._record_dir(fabric) if rank == 0 else None,
             metrics_sink=_metrics_sink(fabric),
+            dashboard=custom_scalars_sink(lambda: tensorboard_loggers(fabric.loggers if fabric else [])),
             node_rank=strategy.node_rank,
             local_rank=strategy.local_rank,
         )

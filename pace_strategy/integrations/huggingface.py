@@ -93,6 +93,7 @@ class PacingCallback(TrainerCallback):
             dataloaders=None if loader is None else [loader],
             run_dir=self._run_dir(args),
             metrics_sink=self._tags.write,
+            dashboard=self._tags.layout,
             rebalance_loop=trainer_loop(self.trainer, args),
         )
         time_trainer_syncs(self.handle)
@@ -201,6 +202,7 @@ class _TrainerTensorBoard:
 
     def start(self, global_step: int) -> None:
         self._first_step = global_step
+        self._log_dir = self.log_dir()  # while the Trainer's writer is open (on_train_begin)
 
     def _trainer_writer(self) -> Any | None:
         # Imported here: transformers.integrations costs seconds, and a Trainer that reports to
@@ -235,6 +237,20 @@ class _TrainerTensorBoard:
 
                 self._own = SummaryWriter(log_dir=self._log_dir)
             self._add(self._own, metrics, global_step)
+
+    def layout(self, layout: Mapping[str, Any]) -> None:
+        """The dashboard layout, into the Trainer's writer (or, once it is closed, our own in its
+        directory)."""
+        with self._lock:
+            writer = self._trainer_writer()
+            if writer is None and self._log_dir is not None:
+                if self._own is None:
+                    from torch.utils.tensorboard import SummaryWriter
+
+                    self._own = SummaryWriter(log_dir=self._log_dir)
+                writer = self._own
+            if writer is not None:
+                writer.add_custom_scalars(dict(layout))
 
     @staticmethod
     def _add(writer: Any, metrics: Mapping[str, float], global_step: int) -> None:

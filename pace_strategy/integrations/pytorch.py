@@ -36,6 +36,7 @@ from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.driver import PacingDriver
 from pace_strategy.hooks.ddp import attach_paced_ddp
+from pace_strategy.integrations.dashboard import custom_scalars_sink
 from pace_strategy.integrations.data import loader_workers, time_dataloader
 from pace_strategy.integrations.env import (
     PacingArg,
@@ -189,6 +190,7 @@ def attach(
         framework="pytorch",
         log_dir=log_dir,
         metrics_sink=None if writer is None else functools.partial(_write_tags, writer),
+        dashboard=None if writer is None else custom_scalars_sink(lambda: [writer]),
     )
     pace = Pace(model, config, session)
     try:

@@ -2,22 +2,32 @@
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 from pace_strategy.core.records import StepSummary
 
 __all__ = [
     "BATCH_SHARE_PREFIX",
+    "DASHBOARD",
     "DELAY_MS_MAX",
     "GC_MS_MAX",
+    "LEAD_MS_MAX",
+    "LEAD_MS_MEDIAN",
+    "LEAD_MS_MIN",
     "LEAD_MS_PREFIX",
     "PACING_ACTIVE",
     "SKEW_MS",
     "STEP_CV",
     "STEP_MS",
+    "STEP_MS_HIGH",
+    "STEP_MS_LOW",
     "STRAGGLER_RANK",
     "TAGS",
     "WAIT_MS_MAX",
     "WAIT_MS_MIN",
     "batch_share_tag",
+    "dashboard_layout",
     "lead_tag",
     "step_metrics",
 ]
@@ -32,6 +42,13 @@ DELAY_MS_MAX = "pace/delay_ms_max"  #: largest pacing delay applied at this step
 PACING_ACTIVE = "pace/pacing_active"  #: 1 while pacing is on, else 0
 GC_MS_MAX = "pace/gc_ms_max"  #: longest time any rank spent in the garbage collector in this step, ms
 LEAD_MS_PREFIX = "pace/lead_ms/rank_"  #: per-rank lead, ms: ``pace/lead_ms/rank_{r}``
+#: above the per-rank tag limit, the lead over the ranks instead: median, smallest, largest, ms
+LEAD_MS_MEDIAN = "pace/lead_ms/median"
+LEAD_MS_MIN = "pace/lead_ms/min"
+LEAD_MS_MAX = "pace/lead_ms/max"
+#: the step time's band: ``step_ms * (1 -/+ step_cv)``, ms (the dashboard's margin chart)
+STEP_MS_LOW = "pace/step_ms_low"
+STEP_MS_HIGH = "pace/step_ms_high"
 #: per-rank samples trained on in the step, with rebalancing: ``pace/batch_share/rank_{r}``
 BATCH_SHARE_PREFIX = "pace/batch_share/rank_"
 
@@ -46,7 +63,12 @@ TAGS: tuple[str, ...] = (
     DELAY_MS_MAX,
     PACING_ACTIVE,
     GC_MS_MAX,
+    STEP_MS_LOW,
+    STEP_MS_HIGH,
 )
+
+#: the dashboard's category in TensorBoard's Custom Scalars tab
+DASHBOARD = "pace"
 
 
 def lead_tag(rank: int) -> str:
@@ -74,11 +96,50 @@ def step_metrics(
         DELAY_MS_MAX: summary.delay_ms_max,
         PACING_ACTIVE: 1.0 if summary.pacing_active else 0.0,
         GC_MS_MAX: max(summary.gc_ms, default=0.0),
+        STEP_MS_LOW: summary.step_ms * (1.0 - summary.step_cv),
+        STEP_MS_HIGH: summary.step_ms * (1.0 + summary.step_cv),
     }
-    if len(summary.lead_ms) <= per_rank_tag_limit:
+    if len(summary.lead_ms) > per_rank_tag_limit:
+        leads = sorted(summary.lead_ms)
+        metrics[LEAD_MS_MEDIAN] = leads[len(leads) // 2]
+        metrics[LEAD_MS_MIN] = leads[0]
+        metrics[LEAD_MS_MAX] = leads[-1]
+    else:
         for rank, value in enumerate(summary.lead_ms):
             metrics[lead_tag(rank)] = value
         if batch_shares and any(summary.samples):
             for rank, samples in enumerate(summary.samples):
                 metrics[batch_share_tag(rank)] = float(samples)
     return metrics
+
+
+def dashboard_layout(
+    world_size: int, per_rank_tag_limit: int, *, batch_shares: bool = False
+) -> dict[str, dict[str, list[Any]]]:
+    """TensorBoard's custom-scalars layout of the ``pace/`` tags (``SummaryWriter.add_custom_scalars``):
+    one category, :data:`DASHBOARD`, whose charts put the ranks side by side. Up to
+    ``per_rank_tag_limit`` ranks, every rank's lead on one multiline chart (a regex over the per-rank
+    tags); above it, the median lead with its min..max band (a margin chart). Every regex matches tags
+    :func:`step_metrics` writes for the same arguments."""
+    charts: dict[str, list[Any]] = {}
+    if world_size <= per_rank_tag_limit:
+        charts["lead per rank (ms early at the sync point; 0 = the straggler)"] = [
+            "Multiline",
+            [re.escape(LEAD_MS_PREFIX) + r"\d+"],
+        ]
+    else:
+        charts[f"lead over the {world_size} ranks: median, min..max (ms)"] = [
+            "Margin",
+            [LEAD_MS_MEDIAN, LEAD_MS_MIN, LEAD_MS_MAX],
+        ]
+    charts["straggler rank (the rank that arrived last)"] = ["Multiline", [re.escape(STRAGGLER_RANK)]]
+    charts["skew and transfer time (ms)"] = ["Multiline", [re.escape(SKEW_MS), re.escape(WAIT_MS_MIN)]]
+    charts["step time with its CV band (ms)"] = ["Margin", [STEP_MS, STEP_MS_LOW, STEP_MS_HIGH]]
+    charts["pacing: on (1) or off, and the largest delay (ms)"] = [
+        "Multiline",
+        [re.escape(PACING_ACTIVE), re.escape(DELAY_MS_MAX)],
+    ]
+    if batch_shares and world_size <= per_rank_tag_limit:
+        charts["rebalancing: samples per rank"] = ["Multiline", [re.escape(BATCH_SHARE_PREFIX) + r"\d+"]]
+    charts["garbage collection: longest pause in the step (ms)"] = ["Multiline", [re.escape(GC_MS_MAX)]]
+    return {DASHBOARD: charts}

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -86,6 +87,45 @@ def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
     acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     acc.Reload()
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def read_dashboard(log_dir: Path) -> dict[str, dict[str, tuple[str, list[str]]]]:
+    """The custom-scalars layouts written under ``log_dir`` (TensorBoard's Custom Scalars tab), read
+    back from the event files: category -> chart title -> ("Multiline", tag regexes) or ("Margin",
+    [value, lower, upper] tags)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.plugins.custom_scalar import layout_pb2, metadata
+
+    found: dict[str, dict[str, tuple[str, list[str]]]] = {}
+    for path in sorted(Path(log_dir).rglob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.tag != metadata.CONFIG_SUMMARY_TAG:
+                    continue
+                layout = layout_pb2.Layout.FromString(value.tensor.string_val[0])
+                for category in layout.category:
+                    charts = found.setdefault(category.title, {})
+                    for chart in category.chart:
+                        if chart.HasField("multiline"):
+                            charts[chart.title] = ("Multiline", list(chart.multiline.tag))
+                        else:
+                            margin = chart.margin.series[0]
+                            charts[chart.title] = ("Margin", [margin.value, margin.lower, margin.upper])
+    return found
+
+
+def check_dashboard(log_dir: Path) -> dict[str, tuple[str, list[str]]]:
+    """The ``pace`` dashboard under ``log_dir``: written, and every chart shows tags that were written
+    there (a regex that matches none, or a margin tag never written, fails). Returns its charts."""
+    layouts = read_dashboard(log_dir)
+    assert list(layouts) == ["pace"], layouts
+    written = set(read_scalars(log_dir))
+    for title, (kind, series) in layouts["pace"].items():
+        if kind == "Margin":
+            assert set(series) <= written, (title, series)
+        else:
+            assert all(any(re.fullmatch(r, tag) for tag in written) for r in series), (title, series)
+    return layouts["pace"]
 
 
 def pace_diagnose(*args: str) -> tuple[int, str, str]:

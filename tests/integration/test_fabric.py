@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from pace_strategy.telemetry import TAGS, lead_tag, read_run_record
-from tests.integration.helpers import read_scalars
+from tests.integration.helpers import check_dashboard, read_scalars
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -71,6 +71,8 @@ def test_paced_ddp_names_the_slow_rank_in_tensorboard(runs):
     assert [s["step"] for s in record.steps] == list(range(STEPS))  # synchronizing steps only
     assert all(s["valid"] for s in record.steps)
     assert all(s["straggler_rank"] == 1 for s in record.steps[WARMUP:])
+    charts = check_dashboard(Path(paced["log_dir"]))  # the logger's writer has the pace dashboard
+    assert any(kind == "Multiline" and "lead per rank" in title for title, (kind, _) in charts.items())
 
 
 def test_switching_ddp_for_paced_ddp_changes_nothing_else(runs):

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from pace_strategy.integrations.lightning import PacedDDPStrategy
 from pace_strategy.telemetry import TAGS, lead_tag, read_run_record
-from tests.integration.helpers import only_version_dir, read_scalars, run_demo
+from tests.integration.helpers import check_dashboard, only_version_dir, read_scalars, run_demo
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(200)]
 
@@ -28,6 +28,9 @@ def test_paced_ddp_telemetry_names_the_injected_straggler(tmp_path):
     assert out.returncode == 0, out.stderr[-4000:]
     log_dir = only_version_dir(tmp_path)
     scalars = read_scalars(log_dir)
+    charts = check_dashboard(log_dir)  # TensorBoard's Custom Scalars tab: the ranks side by side
+    lead = [series for title, (kind, series) in charts.items() if "lead per rank" in title]
+    assert lead == [[r"pace/lead_ms/rank_\d+"]], charts
     for tag in (*TAGS, lead_tag(0), lead_tag(1)):
         assert tag in scalars, f"missing {tag}; have {sorted(scalars)}"
         assert sorted(scalars[tag]) == list(range(60)), f"{tag} not logged at every global step"
@@ -44,9 +47,10 @@ def test_paced_ddp_telemetry_names_the_injected_straggler(tmp_path):
     assert [t["rank"] for t in record.header["topology"]] == [0, 1]
     assert [t["local_rank"] for t in record.header["topology"]] == [0, 1]
     assert [t["dataloader_workers"] for t in record.header["topology"]] == [0, 0]  # the demo's loader
-    # the demo's own summary table
+    # the demo's own summary table, with no third-party deprecation warning before it
     assert "straggler             rank 1 in" in out.stdout
     assert "pace_run.jsonl" in out.stdout
+    assert "LeafSpec" not in out.stderr, out.stderr[-2000:]
 
 
 def test_forced_pacing_gives_weights_identical_to_plain_ddp(tmp_path):
@@ -117,6 +121,14 @@ def test_bad_configuration_fails_before_training_with_the_field_named(tmp_path):
     assert not (tmp_path / "runs").exists(), "nothing may start on bad configuration"
     out = run_demo(tmp_path, *COMMON, "--steps", "5", "--pacing", "exchange_every_step=8", timeout=60)
     assert "Did you mean 'exchange_every_steps'?" in out.stderr
+    # an injection into a rank the run does not have (2 ranks: 0 and 1) is refused, naming the flag
+    out = run_demo(tmp_path, *COMMON, "--steps", "5", "--straggler", "2:30", timeout=60)
+    assert (
+        out.returncode == 2 and "--straggler: rank 2 does not exist in this run: expected 0..1" in out.stderr
+    )
+    out = run_demo(tmp_path, *COMMON, "--steps", "5", "--straggler-local", "3:30", timeout=60)
+    assert out.returncode == 2 and "--straggler-local: local index 3 does not exist" in out.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 class _TinyModule(LightningModule):

@@ -16,7 +16,7 @@ import pytest
 
 from pace_strategy.data.phases import share_phases
 from pace_strategy.telemetry import TAGS, read_run_record
-from tests.integration.helpers import read_scalars
+from tests.integration.helpers import check_dashboard, read_scalars
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(200)]
 
@@ -82,6 +82,7 @@ def test_a_plain_ddp_loop_is_measured_with_its_own_summary_writer(runs):
     assert results[0]["record"] == str(out / "record" / "pace_run.jsonl") and results[1]["record"] is None
     assert "rank 1 last in" in results[0]["text"]
     scalars = read_scalars(out / "tb")  # the user's SummaryWriter: every tag at every step
+    check_dashboard(out / "tb")
     assert all(sorted(scalars[tag]) == list(range(STEPS)) for tag in TAGS)
     assert results[0]["weights"] == results[1]["weights"]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from pace_strategy.telemetry import TAGS, read_run_record
-from tests.integration.helpers import ACCELERATE_CPU_CONFIG, read_scalars
+from tests.integration.helpers import ACCELERATE_CPU_CONFIG, check_dashboard, read_scalars
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -134,6 +134,7 @@ def test_an_unchanged_accelerate_script_is_paced_by_pace_launch(launches):
     assert record.header["config"]["exchange_every_steps"] == 4
     check_straggler(record, 12)  # 24 micro-batches, accumulation 2: 12 steps
     scalars = read_scalars(launch.out / "run")  # the script's own TensorBoard tracker
+    check_dashboard(launch.out / "run")
     assert all(sorted(scalars[tag]) == list(range(12)) for tag in TAGS)
 
 
@@ -152,6 +153,7 @@ def test_an_unchanged_trainer_script_gets_pace_tags_in_its_tensorboard_logs(laun
     (log_dir,) = (launch.out / "runs").iterdir()  # the Trainer's TensorBoard directory
     check_straggler(read_run_record(log_dir), 8)  # 16 micro-batches, accumulation 2: 8 steps
     scalars = read_scalars(log_dir)
+    check_dashboard(log_dir)
     # At the Trainer's global_step, beside its loss (the last window, published after the Trainer
     # closed its writer, is in a second event file in the same directory).
     assert sorted(scalars["train/loss"]) == list(range(1, 9))

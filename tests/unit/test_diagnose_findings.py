@@ -401,3 +401,24 @@ def test_gpu_ranks_count_one_busy_thread_each_so_an_8_gpu_host_is_not_crowded():
     # the same ranks on CPU would keep 8 x 32 + 32 threads busy on 64 cores
     (cpu,) = host_loads([{**t, "device": "cpu"} for t in topo])
     assert cpu.busy_threads == 8 * 32 + 32 and cpu.ratio > 1.0
+
+
+@pytest.mark.parametrize("bars", [2, 3, 64, 1024])
+def test_the_straggler_bars_have_integer_ticks_only(bars):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pace_strategy.diagnose.report import index_bars
+
+    fig, ax = plt.subplots()
+    try:
+        index_bars(ax, [1.0] * bars, "rank")
+        fig.canvas.draw()
+        ticks = [t for t in ax.get_xticks() if -0.6 <= t <= bars - 0.4]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+        assert len(ticks) <= 17  # readable at 1,024 ranks
+        assert ax.get_xlabel() == "rank"
+    finally:
+        plt.close(fig)

@@ -82,3 +82,18 @@ def test_every_recipe_field_is_documented():
                 )
         else:
             assert f"`{top.name}`" in docs, top.name
+
+
+@pytest.mark.parametrize(
+    ("argv", "ranks"),
+    [
+        ([], [2]),
+        (["--devices", "2"], [1]),
+        (["--devices", "1"], []),
+        (["--devices", "2", "--num-nodes", "2"], [2]),
+    ],
+)
+def test_the_demo_s_default_straggler_is_a_rank_that_exists(argv, ranks):
+    from pace_strategy.apps.demo import _stragglers, parse_args
+
+    assert [s.rank for s in _stragglers(parse_args(argv))] == ranks

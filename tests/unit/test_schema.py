@@ -1,5 +1,7 @@
 """Dashboards depend on these names: changing one is a breaking change."""
 
+import pytest
+
 from pace_strategy.core.records import StepSummary
 from pace_strategy.telemetry import schema
 
@@ -15,8 +17,15 @@ def test_tag_names_are_pinned():
         "pace/delay_ms_max",
         "pace/pacing_active",
         "pace/gc_ms_max",
+        "pace/step_ms_low",
+        "pace/step_ms_high",
     )
     assert schema.lead_tag(3) == "pace/lead_ms/rank_3"
+    assert (schema.LEAD_MS_MEDIAN, schema.LEAD_MS_MIN, schema.LEAD_MS_MAX) == (
+        "pace/lead_ms/median",
+        "pace/lead_ms/min",
+        "pace/lead_ms/max",
+    )
 
 
 def summary(world):
@@ -42,6 +51,7 @@ def summary(world):
         data_ms=zeros,
         gap_ms=zeros,
         buckets=1,
+        samples=(8,) * world,
     )
 
 
@@ -50,5 +60,33 @@ def test_step_metrics_values_and_per_rank_limit():
     assert m["pace/skew_ms"] == 12.5 and m["pace/straggler_rank"] == 1.0 and m["pace/pacing_active"] == 1.0
     assert m["pace/lead_ms/rank_2"] == 2.0
     assert set(schema.TAGS) <= set(m)
+    assert m["pace/step_ms_low"] == 72.0 and m["pace/step_ms_high"] == 88.0  # step_ms x (1 -/+ cv)
+    assert schema.LEAD_MS_MEDIAN not in m
     limited = schema.step_metrics(summary(3), per_rank_tag_limit=2)
     assert not any(k.startswith(schema.LEAD_MS_PREFIX) for k in limited)
+    # above the limit: the lead over the ranks (0, 1, 2 here) as median and band
+    assert (limited["pace/lead_ms/median"], limited["pace/lead_ms/min"], limited["pace/lead_ms/max"]) == (
+        1.0,
+        0.0,
+        2.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("world", "limit", "shares"), [(3, 64, False), (3, 64, True), (3, 2, True), (128, 64, False)]
+)
+def test_every_chart_of_the_dashboard_matches_tags_that_are_written(world, limit, shares):
+    import re
+
+    written = set(schema.step_metrics(summary(world), limit, batch_shares=shares))
+    layout = schema.dashboard_layout(world, limit, batch_shares=shares)
+    assert list(layout) == [schema.DASHBOARD]
+    for title, (kind, series) in layout[schema.DASHBOARD].items():
+        if kind == "Margin":  # exact tags: value, lower, upper
+            assert len(series) == 3 and set(series) <= written, title
+        else:
+            assert kind == "Multiline"
+            for regex in series:
+                assert any(re.fullmatch(regex, tag) for tag in written), (title, regex)
+    titles = " ".join(layout[schema.DASHBOARD])
+    assert ("lead per rank" in titles) == (world <= limit)

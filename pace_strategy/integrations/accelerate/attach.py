@@ -29,6 +29,7 @@ from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.driver import PacingDriver
 from pace_strategy.hooks.ddp import attach_paced_ddp
 from pace_strategy.integrations._preemption import SigtermHandler
+from pace_strategy.integrations.dashboard import custom_scalars_sink
 from pace_strategy.integrations.data import loader_workers, time_dataloader
 from pace_strategy.integrations.env import (
     ENV_PREFIX,
@@ -38,7 +39,7 @@ from pace_strategy.integrations.env import (
     record_dir,
 )
 from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance, share_scaled_allreduce
-from pace_strategy.session import MetricsSink, PacingSession
+from pace_strategy.session import DashboardSink, MetricsSink, PacingSession
 
 __all__ = ["PacingHandle", "RebalanceLoop", "attach_pacing", "is_paceable"]
 
@@ -145,6 +146,7 @@ def attach_pacing(
     run_dir: str | os.PathLike[str] | None = None,
     metrics_sink: MetricsSink | None = None,
     rebalance_loop: RebalanceLoop | None = None,
+    dashboard: DashboardSink | None = None,
 ) -> PacingHandle:
     """Monitor and pace ``model``, the DDP or FSDP2 model ``accelerator.prepare(...)`` returned.
 
@@ -169,6 +171,8 @@ def attach_pacing(
             thread (default: ``accelerator.log``, i.e. the accelerator's trackers).
         rebalance_loop: with ``rebalance=True``, how the training loop draws batches and normalizes
             its loss (:class:`RebalanceLoop`; default: a script's own loop).
+        dashboard: rank 0: receives the TensorBoard custom-scalars layout of the tags once (default:
+            ``add_custom_scalars`` of the accelerator's TensorBoard trackers).
     """
     attached = _ATTACHED.get(id(model))
     if attached is not None:
@@ -209,6 +213,7 @@ def attach_pacing(
         framework="accelerate",
         log_dir=_run_dir(accelerator, run_dir) if rank == 0 else None,
         metrics_sink=metrics_sink or (lambda metrics, step: accelerator.log(dict(metrics), step=step)),
+        dashboard=dashboard or custom_scalars_sink(lambda: _tensorboard_writers(accelerator)),
         local_rank=accelerator.local_process_index,
     )
     handle = PacingHandle(model, config, session)
@@ -343,6 +348,13 @@ def _rebalance_data(
     rebalance.replace_prepared(loaders[0])
     session.register_state(STATE_NAME, rebalance)
     return rebalance
+
+
+def _tensorboard_writers(accelerator: Any) -> list[Any]:
+    """The writers of the accelerator's TensorBoard trackers (``log_with="tensorboard"``)."""
+    return [
+        t.writer for t in getattr(accelerator, "trackers", []) if getattr(t, "name", None) == "tensorboard"
+    ]
 
 
 def _prepared(accelerator: Any, kind: Literal["optimizer", "dataloader"]) -> list[Any]:

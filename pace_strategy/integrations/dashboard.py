@@ -1,0 +1,28 @@
+"""The TensorBoard dashboard (a custom-scalars layout of the ``pace/`` tags) into a framework's own
+TensorBoard writers: every adapter says where its writers are, this module writes the layout."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+__all__ = ["custom_scalars_sink", "tensorboard_loggers"]
+
+
+def custom_scalars_sink(writers: Callable[[], Iterable[Any]]) -> Callable[[Mapping[str, Any]], None]:
+    """A session's ``dashboard``: the layout goes to every writer ``writers()`` returns that has
+    ``add_custom_scalars`` (torch's and tensorboardX's ``SummaryWriter``); others are skipped."""
+
+    def write(layout: Mapping[str, Any]) -> None:
+        for writer in writers():
+            add = getattr(writer, "add_custom_scalars", None)
+            if callable(add):
+                add(dict(layout))
+
+    return write
+
+
+def tensorboard_loggers(loggers: Iterable[Any]) -> list[Any]:
+    """The writers of Lightning's (or Fabric's) TensorBoard loggers among ``loggers`` (their
+    ``experiment``); the other loggers are not touched (reading ``experiment`` may start one)."""
+    return [logger.experiment for logger in loggers if "TensorBoard" in type(logger).__name__]
