@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,9 @@ from pace_strategy.core.watchdog import HANG_EXIT_CODE, HangReport, HangWatchdog
 from pace_strategy.telemetry.run_record import RunRecordWriter, record_filename
 from pace_strategy.telemetry.schema import dashboard_layout, step_metrics
 from pace_strategy.telemetry.topology import elastic_restart_count, local_placement
+
+if TYPE_CHECKING:
+    from pace_strategy.telemetry.prometheus import MetricsEndpoint
 
 __all__ = ["DashboardSink", "MetricsSink", "PacingSession", "side_group"]
 
@@ -164,6 +167,13 @@ class PacingSession:
         self.pacer = Pacer(config, group, rank, world_size, clock)
         self.metrics_sink = metrics_sink if rank == 0 else None
         self._dashboard = dashboard if rank == 0 else None
+        #: rank 0, ``config.metrics_port``: the live Prometheus endpoint (started here: a port that
+        #: cannot be bound fails at start)
+        self.endpoint: MetricsEndpoint | None = None
+        if rank == 0 and config.metrics_port:
+            from pace_strategy.telemetry.prometheus import MetricsEndpoint
+
+            self.endpoint = MetricsEndpoint(config.metrics_port, world_size, config.per_rank_tag_limit)
         self.topology = [dict(placement) for placement in topology]
         self.record: RunRecordWriter | None = None
         self.record_path: Path | None = None
@@ -286,7 +296,7 @@ class PacingSession:
         ~65 us per scalar on its bounded queue, ~1 ms per step for the pace/ tags)."""
         if self.rank != 0:
             return
-        if self.metrics_sink is None and self.record is None:
+        if self.metrics_sink is None and self.record is None and self.endpoint is None:
             self._log_warnings(result)  # nothing to write: no thread, no summaries
             return
         if self._publisher is None:
@@ -327,6 +337,8 @@ class PacingSession:
                 self.metrics_sink(metrics, summary.step)
         if self.record is not None:
             self.record.write_window(summaries, result.decision, result.rebalance)
+        if self.endpoint is not None:
+            self.endpoint.update(summaries, result.decision)
 
     def finish(self) -> list[WindowResult]:
         """Normal end of training (collective: every rank calls it): exchange and publish what is left.
@@ -571,6 +583,8 @@ class PacingSession:
         rank 0's collective) and the process exits, since a thread cannot raise into a training thread
         blocked in a C++ collective."""
         watchdog = self.watchdog
+        if self.endpoint is not None:
+            self.endpoint.hang()
         line = self._hang_line(report)
         try:
             if self.record is not None:
@@ -664,6 +678,9 @@ class PacingSession:
             normal = error is None and reason is None
             self._publisher.close(timeout_s=self.config.exchange_timeout_s if normal else 10.0)
             self._publisher = None
+        if self.endpoint is not None:  # after the last window reached it: a last scrape sees it all
+            self.endpoint.close()
+            self.endpoint = None
         if self.record is not None:
             steps = max(self.pacer.steps_seen, 1)
             cost = {

@@ -199,6 +199,14 @@ class PacingConfig:
         default=64,
         metadata=doc("``pace/lead_ms/rank_{r}`` tags are written only while world size <= this limit."),
     )
+    metrics_port: int = field(
+        default=0,
+        metadata=doc(
+            """Rank 0 serves live Prometheus metrics on this TCP port (all interfaces; 0: no endpoint, the
+            default). Needs ``pip install 'pace-strategy[prometheus]'``; a port that cannot be bound fails
+            at start. Updated once per window, off the training thread (docs/telemetry.md)."""
+        ),
+    )
     exchange_timeout_s: float = field(
         default=300.0,
         metadata=doc(
@@ -358,6 +366,9 @@ class PacingConfig:
         _positive_int(self, "max_cooldown_windows", minimum=0)
         _number(self, "cooldown_growth", low=1.0)
         _positive_int(self, "per_rank_tag_limit", minimum=0)
+        _positive_int(self, "metrics_port", minimum=0)
+        if self.metrics_port > 65535:
+            _fail("metrics_port", self.metrics_port, "a TCP port in 1..65535, or 0 for no endpoint")
         for name in ("activate_skew_fraction", "deactivate_skew_fraction", "max_delay_step_fraction"):
             _number(self, name, low=0.0, high=1.0, low_open=True)
         _number(self, "gain", low=0.0, high=1.0, low_open=True)

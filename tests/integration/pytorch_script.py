@@ -14,7 +14,10 @@ loop with ``rebalance=True``; rank 1 is slow per sample instead (3 ms each, in b
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -72,6 +75,8 @@ def main(out: Path, mode: str) -> None:
 
         writer = SummaryWriter(str(out / "tb"))
     pacing = REBALANCE if mode == "rebalance" else PACING
+    if mode == "ddp":  # rank 0 serves Prometheus metrics on the test's free port (the others ignore it)
+        pacing = {**pacing, "metrics_port": int(os.environ["METRICS_PORT"])}
     pace = pace_strategy.attach(model, pacing=pacing, run_dir=out / "record", writer=writer)
     batches = pace.dataloader(loader)
     if mode == "noend":
@@ -80,6 +85,10 @@ def main(out: Path, mode: str) -> None:
         return  # no finish: the exit handler closes the record
     with pace:
         train(model, optimizer, batches, pace, rank, clip=mode == "fsdp", per_sample=mode == "rebalance")
+        if mode == "ddp" and rank == 0:  # a real HTTP scrape while the session serves
+            time.sleep(1.0)  # the telemetry thread publishes the last exchanged window
+            url = f"http://127.0.0.1:{os.environ['METRICS_PORT']}/metrics"
+            (out / "metrics.txt").write_text(urllib.request.urlopen(url, timeout=10).read().decode())
     summary = pace.summary()
     if writer is not None:
         writer.close()

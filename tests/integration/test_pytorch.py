@@ -41,7 +41,7 @@ def runs(tmp_path_factory):
         port = str(_free_port())
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                    "127.0.0.1", "--master_port", port, str(SCRIPT), str(out), mode]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "METRICS_PORT": str(_free_port())}
         pipe = subprocess.PIPE
         procs[mode] = (out, subprocess.Popen(command, env=env, stdout=pipe, stderr=pipe, text=True))
     yield procs
@@ -85,6 +85,15 @@ def test_a_plain_ddp_loop_is_measured_with_its_own_summary_writer(runs):
     check_dashboard(out / "tb")
     assert all(sorted(scalars[tag]) == list(range(STEPS)) for tag in TAGS)
     assert results[0]["weights"] == results[1]["weights"]
+    # rank 0's Prometheus endpoint, scraped over HTTP during the run: rank 1 the straggler
+    metrics = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in (out / "metrics.txt").read_text().splitlines()
+        if line.startswith("pace_")
+    }
+    assert metrics["pace_straggler_rank"] == 1.0 and 20.0 < metrics["pace_skew_ms"] < 80.0, metrics
+    assert metrics["pace_steps_total"] >= STEPS - 4 and metrics['pace_lead_ms{rank="1"}'] == 0.0, metrics
+    assert metrics['pace_lead_ms{rank="0"}'] > 20.0 and metrics['pace_windows_total{state="monitor"}'] >= 3
 
 
 def test_a_torchtitan_style_fsdp2_loop_is_measured(runs):
