@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -203,6 +203,9 @@ class PacingSession:
         self._gc_ranks: list[dict[str, Any]] | None = None  #: every rank's GC report, gathered at finish
         self.watchdog = self._start_watchdog()
         self.publish_ns = 0  #: rank 0: telemetry-thread time spent writing tags and the run record
+        #: rank 0: windows whose tags were dropped because the tag writer fell behind (their rows
+        #: are in the run record; the ``end`` line says how many)
+        self.tag_windows_dropped = 0
         self._publisher: _Publisher | None = None
         # Summaries are built on the telemetry thread: only rank 0 needs them, decisions do not.
         self._summarizer = StepSummarizer(config.cv_window_steps)
@@ -303,10 +306,10 @@ class PacingSession:
             self._publisher = _Publisher(self._publish)
         self._publisher.submit(result)
 
-    def _publish(self, result: WindowResult) -> None:
+    def _publish(self, result: WindowResult, tags: bool = True) -> None:
         started = time.perf_counter_ns()
         try:
-            self._publish_now(result)
+            self._publish_now(result, tags)
         finally:
             self.publish_ns += time.perf_counter_ns() - started
 
@@ -316,7 +319,9 @@ class PacingSession:
                 message += f" For the full picture: pace diagnose {self.record_path.parent}"
             log.warning(message)
 
-    def _publish_now(self, result: WindowResult) -> None:
+    def _publish_now(self, result: WindowResult, tags: bool = True) -> None:
+        """One window to every sink (telemetry thread); ``tags=False``: the writer fell behind, this
+        window's tags are dropped (its run-record rows are written all the same)."""
         self._log_warnings(result)
         summaries = self._summarizer.summarize(result.gathered)
         if self._dashboard is not None:
@@ -329,7 +334,7 @@ class PacingSession:
                 )
             except Exception:  # a dashboard is a convenience: the tags still go out
                 log.warning("pace_strategy: could not write the TensorBoard dashboard layout", exc_info=True)
-        if self.metrics_sink is not None:
+        if self.metrics_sink is not None and tags:
             for summary in summaries:
                 metrics = step_metrics(
                     summary, self.config.per_rank_tag_limit, batch_shares=self.config.rebalance
@@ -677,6 +682,7 @@ class PacingSession:
             # Drain what was already handed over (bounded: a wedged sink must not hang shutdown).
             normal = error is None and reason is None
             self._publisher.close(timeout_s=self.config.exchange_timeout_s if normal else 10.0)
+            self.tag_windows_dropped = self._publisher.tag_windows_dropped
             self._publisher = None
         if self.endpoint is not None:  # after the last window reached it: a last scrape sees it all
             self.endpoint.close()
@@ -699,6 +705,8 @@ class PacingSession:
             extra: dict[str, Any] = {"rank0_pacer_cost": cost, "gc": gc_ranks}
             if unresolved:  # completed steps whose device marks had not happened: not waited for
                 extra["unresolved_steps_dropped"] = unresolved
+            if self.tag_windows_dropped:  # the tag writer fell behind: its windows' tags, not their rows
+                extra["tag_windows_dropped"] = self.tag_windows_dropped
             self.record.close(status, message, extra=extra, create=self.pacer.steps_seen > 0)
 
 
@@ -725,24 +733,38 @@ def _close_open_sessions() -> None:
             session.close(status="incomplete")
 
 
+#: windows of tags the telemetry thread may have in hand before the next window's tags are dropped
+#: (its run-record rows never are): a writer that falls behind must not let rank 0's memory grow
+MAX_TAG_BACKLOG_WINDOWS = 4
+
+
 class _Publisher:
     """A single background thread that runs the telemetry sinks in order, one window at a time.
 
     A sink that raises is reported once and then skipped for the rest of the run: telemetry must
-    never take training down.
+    never take training down. When :data:`MAX_TAG_BACKLOG_WINDOWS` windows are already waiting, a new
+    window goes with ``tags=False`` (its run-record rows are still written; its tags, the slow part,
+    are dropped and counted in :attr:`tag_windows_dropped`).
     """
 
     _STOP = object()
 
-    def __init__(self, publish: Callable[[WindowResult], None]) -> None:
+    def __init__(self, publish: Callable[[WindowResult, bool], None]) -> None:
         self._publish = publish
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._failed = False
+        self._lock = threading.Lock()
+        self._backlog = 0  # windows submitted and not yet published
+        self.tag_windows_dropped = 0  #: windows whose tags were dropped because the writer fell behind
         self._thread = threading.Thread(target=self._run, name="pace-telemetry", daemon=True)
         self._thread.start()
 
     def submit(self, result: WindowResult) -> None:
-        self._queue.put(result)
+        with self._lock:
+            tags = self._backlog < MAX_TAG_BACKLOG_WINDOWS
+            self._backlog += 1
+            self.tag_windows_dropped += not tags
+        self._queue.put((result, tags))
 
     def close(self, timeout_s: float) -> None:
         self._queue.put(self._STOP)
@@ -757,12 +779,15 @@ class _Publisher:
             item = self._queue.get()
             if item is self._STOP:
                 return
-            if self._failed:
-                continue
             try:
-                self._publish(item)  # type: ignore[arg-type]
+                if not self._failed:
+                    result, tags = cast(tuple[WindowResult, bool], item)
+                    self._publish(result, tags)
             except Exception:
                 self._failed = True
                 log.exception(
                     "pace_strategy: a telemetry sink failed; telemetry is off for the rest of the run"
                 )
+            finally:
+                with self._lock:
+                    self._backlog -= 1

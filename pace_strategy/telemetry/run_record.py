@@ -421,32 +421,50 @@ def iter_run_record(p: Path) -> Iterator[dict[str, Any]]:
     of other kinds are passed through unchecked (what a later writer may add).
     """
     with p.open("rb") as f:
-        lines = f.readlines()
-    if not lines:
-        raise RunRecordError(f"run record {p} is empty")
-    header_seen = False
-    world_size = 0
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line.decode("utf-8"))
-        except (ValueError, RecursionError) as error:  # JSON or UTF-8; RecursionError: absurd nesting
-            if number == len(lines) and header_seen:
-                yield {"record": TRUNCATED}
+        # one line at a time (memory bounded by a line, not the file), one line ahead: a cut-off
+        # line is only forgiven when it is the last
+        lines = iter(f)
+        line = next(lines, None)
+        if line is None:
+            raise RunRecordError(f"run record {p} is empty")
+        header_seen = False
+        world_size = 0
+        number = 0
+        while line is not None:
+            number += 1
+            following = next(lines, None)
+            obj = _parse_line(p, number, line, last=following is None, header_seen=header_seen)
+            line = following
+            if obj is None:
+                continue
+            if obj == {"record": TRUNCATED}:
+                yield obj
                 return
-            where = f"run record {p} line {number} is not valid JSON: {error}"
             if not header_seen:
-                raise RunRecordError(f"{_not_a_record(p, number)}: {where}") from error
-            raise RunRecordError(where) from error
-        if not header_seen:
-            world_size = _check_header(p, number, obj)
-            header_seen = True
-        else:
-            _check_line(p, number, obj, world_size)
-        yield obj
+                world_size = _check_header(p, number, obj)
+                header_seen = True
+            else:
+                _check_line(p, number, obj, world_size)
+            yield obj
     if not header_seen:
-        raise RunRecordError(_not_a_record(p, len(lines)))
+        raise RunRecordError(_not_a_record(p, number))
+
+
+def _parse_line(p: Path, number: int, line: bytes, *, last: bool, header_seen: bool) -> Any:
+    """One line's object; ``None`` for a blank line; ``{"record": "truncated"}`` for a cut-off last
+    line after the header. Raises ``RunRecordError`` for any other line that is not JSON."""
+    if not line.strip():
+        return None
+    try:
+        obj: Any = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError) as error:  # JSON or UTF-8; RecursionError: absurd nesting
+        if last and header_seen:
+            return {"record": TRUNCATED}
+        where = f"run record {p} line {number} is not valid JSON: {error}"
+        if not header_seen:
+            raise RunRecordError(f"{_not_a_record(p, number)}: {where}") from error
+        raise RunRecordError(where) from error
+    return obj
 
 
 def _not_a_record(p: Path, number: int) -> str:

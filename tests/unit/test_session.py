@@ -142,3 +142,30 @@ def test_the_side_group_interface_follows_the_jobs_own_route(monkeypatch):
     assert interface is None and "set GLOO_SOCKET_IFNAME" in why
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
     assert gloo_interface() == ("eth7", "GLOO_SOCKET_IFNAME")  # what the user set always wins
+
+
+def test_a_tag_writer_that_falls_behind_loses_tags_of_whole_windows_never_record_rows(tmp_path):
+    import threading
+
+    from pace_strategy.session import MAX_TAG_BACKLOG_WINDOWS
+
+    release = threading.Event()
+    logged: dict[int, dict] = {}
+
+    def slow_sink(metrics, step):  # a TensorBoard writer stuck on its disk until released
+        release.wait(30)
+        logged[step] = metrics
+
+    session = _session(tmp_path, log_dir=tmp_path, metrics_sink=slow_sink)
+    _train(session, 4 * 12)  # 12 windows of 4 steps while the sink is stuck on the first
+    publisher = session._publisher
+    assert publisher is not None
+    dropped = publisher.tag_windows_dropped
+    # the first window is in the sink, MAX_TAG_BACKLOG_WINDOWS windows waited: every later one drops its tags
+    assert dropped >= 12 - 1 - MAX_TAG_BACKLOG_WINDOWS - 1, dropped
+    release.set()
+    session.finish()
+    record = read_run_record(session.record_path)
+    assert [s["step"] for s in record.steps] == list(range(48))  # every row, whatever the tags
+    assert record.end["tag_windows_dropped"] == session.tag_windows_dropped >= dropped
+    assert 0 < len(logged) <= 48 - 4 * dropped and set(logged) < set(range(48))
