@@ -52,7 +52,7 @@ def _worker(rank: int, ranks: int, steps: int, store: str, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from pace_strategy.apps.job import build_net
-    from pace_strategy.apps.recipes import ModelRecipe
+    from pace_strategy.apps.recipe_schema import ModelRecipe
     from pace_strategy.core import HostClock, Pacer, PacingConfig
     from pace_strategy.hooks.ddp import attach_paced_ddp
     from pace_strategy.shutdown import leave_without_finalization

@@ -91,7 +91,7 @@ def _worker(rank: int, job: Job) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     from pace_strategy.apps.job import build_net
-    from pace_strategy.apps.recipes import ModelRecipe
+    from pace_strategy.apps.recipe_schema import ModelRecipe
     from pace_strategy.core import PacingConfig
     from pace_strategy.hooks.ddp import attach_paced_ddp
     from pace_strategy.session import PacingSession

@@ -68,7 +68,8 @@ def _check(results: Result, name: str, ok: bool, detail: str) -> None:
 
 # ------------------------------------------------------------------------------------- Lightning
 def _lightning(strategy: str, out: Path, steps: int) -> Result:
-    from pace_strategy.apps.recipes import TrainRecipe, one_thread_per_rank, run_lightning
+    from pace_strategy.apps.recipe_schema import TrainRecipe
+    from pace_strategy.apps.recipes import one_thread_per_rank, run_lightning
     from pace_strategy.integrations.env import RUN_DIR_ENV
     from pace_strategy.settings import build
     from pace_strategy.telemetry.run_record import read_run_record
@@ -230,7 +231,8 @@ def _gloo_rank(rank: int, world: int, out: str, steps: int) -> None:
 
     from pace_strategy import PacingConfig, attach_paced_ddp
     from pace_strategy.apps.job import build_net, make_dataset
-    from pace_strategy.apps.recipes import TrainRecipe, one_thread_per_rank
+    from pace_strategy.apps.recipe_schema import TrainRecipe
+    from pace_strategy.apps.recipes import one_thread_per_rank
     from pace_strategy.session import PacingSession
     from pace_strategy.settings import build
 

@@ -23,11 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pace_strategy.apps.recipes import (
-    TrainRecipe,
-    one_thread_per_rank,
-    run_lightning,
-)
+from pace_strategy.apps.recipe_schema import TrainRecipe
+from pace_strategy.apps.recipes import one_thread_per_rank, run_lightning
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.settings import build, load_mapping

@@ -15,38 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pace_strategy.apps.recipe_schema import (
-    FRAMEWORKS,
-    LIGHTNING_STRATEGIES,
-    DataRecipe,
-    FSDPRecipe,
-    ModelRecipe,
-    OutputRecipe,
-    StragglerRecipe,
-    TrainerRecipe,
-    TrainRecipe,
-    fail_field,
-    load_recipe,
-)
+from pace_strategy.apps.recipe_schema import TrainRecipe, fail_field, load_recipe
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.shutdown import leave_without_finalization
 from pace_strategy.testing import Straggler
 
-__all__ = [
-    "FRAMEWORKS",
-    "LIGHTNING_STRATEGIES",
-    "DataRecipe",
-    "FSDPRecipe",
-    "ModelRecipe",
-    "OutputRecipe",
-    "StragglerRecipe",
-    "TrainRecipe",
-    "TrainerRecipe",
-    "load_recipe",
-    "main_for",
-    "run_accelerate",
-    "run_lightning",
-]
+__all__ = ["main_for", "one_thread_per_rank", "run_accelerate", "run_lightning"]
 
 
 # ---------------------------------------------------------------------------------------- the job

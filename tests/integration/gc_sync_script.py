@@ -12,13 +12,10 @@ import json
 import sys
 from pathlib import Path
 
-from pace_strategy.apps.recipes import (
-    TrainRecipe,
-    leave_without_finalization,
-    one_thread_per_rank,
-    run_lightning,
-)
+from pace_strategy.apps.recipe_schema import TrainRecipe
+from pace_strategy.apps.recipes import one_thread_per_rank, run_lightning
 from pace_strategy.settings import build
+from pace_strategy.shutdown import leave_without_finalization
 
 HEAP, GARBAGE, STEPS = 200_000, 20_000, 60
 

@@ -18,7 +18,7 @@ import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from pace_strategy.apps.recipes import TrainRecipe, load_recipe
+from pace_strategy.apps.recipe_schema import TrainRecipe, load_recipe
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.integrations.accelerate.launch import prepare_launch

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pace_strategy.apps.recipes import TrainRecipe, load_recipe
+from pace_strategy.apps.recipe_schema import TrainRecipe, load_recipe
 from pace_strategy.core.errors import PacingConfigError
 
 RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes" / "train").glob("*.yaml"))
