@@ -187,3 +187,49 @@ def test_a_user_comm_hook_does_the_communication_on_cpu(tmp_path, monitor):
                 dist.destroy_process_group()
     assert buckets == wrapped_calls == [0, 0, 0], (buckets, wrapped_calls)
     assert [s["step"] for s in read_run_record(tmp_path).steps] == [0, 1, 2]
+
+
+def test_rank_0_serves_live_prometheus_metrics_while_the_trainer_trains(tmp_path):
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    from tests.integration.helpers import demo_command
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = demo_command(
+        tmp_path, *COMMON, "--steps", "150", "--straggler", "1:20", "--pacing", f"metrics_port={port}"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    log = (tmp_path / "demo.log").open("w")  # a file, not a pipe nobody reads while it trains
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    scraped: dict[str, float] = {}
+    try:
+        deadline = time.time() + 150
+        while proc.poll() is None and time.time() < deadline:
+            try:
+                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except OSError:  # not serving yet (the trainer starts the session at setup)
+                time.sleep(0.2)
+                continue
+            scraped = {
+                line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("pace_")
+            }
+            if scraped.get("pace_steps_total", 0.0) >= 40:
+                break
+            time.sleep(0.2)
+        proc.wait(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    assert proc.returncode == 0, (tmp_path / "demo.log").read_text()[-3000:]
+    assert scraped.get("pace_steps_total", 0.0) >= 40, scraped  # scraped over HTTP during training
+    assert scraped["pace_straggler_rank"] == 1.0 and scraped['pace_lead_ms{rank="1"}'] == 0.0, scraped
+    assert 10.0 < scraped['pace_lead_ms{rank="0"}'] < 40.0, scraped
