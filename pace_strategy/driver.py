@@ -18,6 +18,7 @@ A run that ends without any of them is closed by the one exit handler of the ses
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -25,7 +26,31 @@ from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.pacer import WindowResult
 from pace_strategy.session import PacingSession
 
-__all__ = ["BatchShares", "PacingDriver"]
+__all__ = ["BatchShares", "PacingDriver", "WindowTally"]
+
+
+@dataclass
+class WindowTally:
+    """What a run's decided windows add up to, in a few numbers per window."""
+
+    windows: int = 0  #: windows decided
+    steps: int = 0  #: usable steps in them (valid, past warm-up)
+    straggler_counts: list[int] = field(default_factory=list)  #: how often each rank arrived last
+    skew_ms: list[float] = field(default_factory=list)  #: each window's median unpaced skew
+    step_ms: list[float] = field(default_factory=list)  #: each window's median step time
+
+    def add(self, result: WindowResult) -> None:
+        stats = result.stats
+        self.windows += 1
+        if stats.steps == 0:
+            return
+        self.steps += stats.steps
+        counts = list(stats.straggler_counts)
+        if len(self.straggler_counts) != len(counts):
+            self.straggler_counts = [0] * len(counts)
+        self.straggler_counts = [a + b for a, b in zip(self.straggler_counts, counts, strict=True)]
+        self.skew_ms.append(stats.median_unpaced_skew_ms)
+        self.step_ms.append(stats.median_step_ms)
 
 
 class BatchShares(Protocol):
@@ -51,7 +76,9 @@ class PacingDriver:
         self.steps = 0  #: optimizer steps ended through this driver
         #: rebalancing's data path (``rebalance=True``, set by the adapter that rebuilt the loader)
         self.rebalance: BatchShares | None = None
-        self.windows: list[WindowResult] = []  #: every window this rank decided, in order
+        #: a running tally of the windows this rank decided (a few numbers each: a window's gathered
+        #: rows are not kept, they would grow with W x steps)
+        self.tally = WindowTally()
         self._undo: list[Callable[[], object]] = []
         self._loaded: dict[str, Any] | None = None  # a state restored while there is no session
 
@@ -75,7 +102,7 @@ class PacingDriver:
             self.session.pacer.set_samples(samples)
         result = self.session.end_step()
         if result is not None:
-            self.windows.append(result)
+            self.tally.add(result)
         if self.rebalance is not None:
             self.rebalance.end_step()
         return result
@@ -124,7 +151,8 @@ class PacingDriver:
         published, the record closed (``completed``); then :meth:`detach`. Idempotent."""
         try:
             if self.session is not None and not self.session.finished:
-                self.windows.extend(self.session.finish())
+                for result in self.session.finish():
+                    self.tally.add(result)
         finally:
             self.detach()
 

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from pace_strategy.core.config import PacingConfig
+from pace_strategy.driver import PacingDriver
 from pace_strategy.hooks.ddp import attach_paced_ddp
 from pace_strategy.integrations._arguments import parent_arguments
 from pace_strategy.integrations._lightning_mixins import StrategyRegistry, register_paced_ddp
@@ -52,9 +53,9 @@ log = logging.getLogger(__name__)
 _SETUP_FRAMES = 4
 
 
-class FabricPacing:
-    """The pacing of one Fabric strategy: its config and, from ``fabric.setup`` to
-    :func:`finish_pacing`, this rank's session and the model it paces (the first one set up).
+class FabricPacing(PacingDriver):
+    """The pacing of one Fabric strategy: a :class:`~pace_strategy.driver.PacingDriver` whose session
+    runs from ``fabric.setup`` to :func:`finish_pacing`, on the model it paces (the first one set up).
 
     Args:
         config: the validated pacing configuration.
@@ -62,14 +63,13 @@ class FabricPacing:
             ``$PACE_RUN_DIR``, else no record.
     """
 
+    rebalance: DataRebalance | None  #: the rebalanced training data (``rebalance=True``, 2+ processes)
+
     def __init__(self, config: PacingConfig, run_dir: str | os.PathLike[str] | None) -> None:
-        self.config = config
+        super().__init__(config)  # no session before setup, nor without monitoring
         self.run_dir = None if run_dir is None else Path(run_dir)
-        self.session: PacingSession | None = None  #: ``None`` before setup and without monitoring
         self._model: DistributedDataParallel | None = None
         self._loader_workers: list[int | None] = []  #: of the loaders set up so far
-        #: the rebalanced training data (``rebalance=True``, two or more processes)
-        self.rebalance: DataRebalance | None = None
 
     def attach(self, model: DistributedDataParallel, strategy: DDPStrategy, fabric: Fabric | None) -> None:
         """Start the session (collective on every rank) and monitor ``model``; only the first model
@@ -100,7 +100,7 @@ class FabricPacing:
             node_rank=strategy.node_rank,
             local_rank=strategy.local_rank,
         )
-        self.session = session
+        self.start(session)
         for workers in self._loader_workers:
             session.note_dataloader_workers(workers)
         attach_paced_ddp(model, session.pacer)
@@ -130,14 +130,14 @@ class FabricPacing:
     # optimizer step, the synchronizing ones under ``fabric.no_backward_sync``, count.
     def _forward(self, module: nn.Module, args: Any) -> None:
         if (session := self._live()) is not None:
-            session.pacer.begin_step(session.pacer.steps_seen)
-        elif self.session is not None and not self.session.finished:
-            self.session.pacer.interrupt()  # evaluation: the next step does not follow this one
+            session.pacer.begin_step(session.pacer.steps_seen)  # a forward: no batch share to take
+        elif self.live_session is not None:
+            self.live_session.pacer.interrupt()  # evaluation: the next step does not follow this one
 
     def _batch_ready(self, session: PacingSession) -> None:
-        session.pacer.begin_step(session.pacer.steps_seen)
-        if self.rebalance is not None:
-            self.rebalance.begin_batch()
+        # labelled by the steps the pacer saw: an optimizer step after an evaluation-only forward
+        # is not a training step
+        self.begin_step(session.pacer.steps_seen)
 
     def prepare_dataloader(self, dataloader: DataLoader[Any], strategy: DDPStrategy) -> DataLoader[Any]:
         """With ``rebalance=True`` on two or more processes: ``dataloader`` rebuilt around the
@@ -174,27 +174,13 @@ class FabricPacing:
             self.session.note_dataloader_workers(self._loader_workers[-1])
         time_dataloader(dataloader, self._live, on_batch=self._batch_ready)
 
-    def end_step(self) -> None:
-        """The optimizer stepped: the step ends (and a window may be exchanged)."""
-        if self.session is not None and not self.session.finished:
-            self.session.end_step()
-        if self.rebalance is not None:
-            self.rebalance.end_step()
-
-    def finish(self) -> None:
-        """The normal end of training (collective: every rank): exchange and log the last steps,
-        close the run record."""
-        if self.session is not None:
-            self.session.finish()
-
     def close(self, error: BaseException | None = None) -> None:
         """Close locally, without the final exchange: with ``error``, as failed; else ``incomplete``
         (the steps of the last, unexchanged window are lost). Idempotent."""
-        if self.session is not None:
-            if error is not None:
-                self.session.fail(error)
-            else:
-                self.session.close(status="incomplete")
+        if error is not None:
+            self.fail(error)
+        elif self.session is not None:
+            self.session.close(status="incomplete")
 
 
 class PacedFabricDDPStrategy(DDPStrategy):

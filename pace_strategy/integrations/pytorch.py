@@ -130,19 +130,15 @@ class Pace(PacingDriver):
 
     def summary(self) -> PaceSummary:
         """What was measured so far (all of it after :meth:`finish`)."""
-        session = self.session
-        stats = [w.stats for w in self.windows if w.stats.steps > 0]
-        counts = [0] * (session.world_size if session is not None else 1)
-        for s in stats:
-            counts = [a + b for a, b in zip(counts, s.straggler_counts, strict=True)]
-        skews = sorted(s.median_unpaced_skew_ms for s in stats)
-        steps_ms = sorted(s.median_step_ms for s in stats)
+        session, tally = self.session, self.tally
+        world = session.world_size if session is not None else 1
+        skews, steps_ms = sorted(tally.skew_ms), sorted(tally.step_ms)
         return PaceSummary(
             steps=self.steps,
-            windows=len(self.windows),
+            windows=tally.windows,
             median_skew_ms=skews[len(skews) // 2] if skews else 0.0,
             median_step_ms=steps_ms[len(steps_ms) // 2] if steps_ms else 0.0,
-            straggler_counts=tuple(counts),
+            straggler_counts=tuple(tally.straggler_counts or [0] * world),
             delay_ms=session.pacer.delay_ms if session is not None else 0.0,
             record=session.record_path if session is not None and session.record_created else None,
         )
