@@ -26,8 +26,10 @@ The jobs are the project's own: the recipe job (``pace_strategy.apps.recipes``) 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -357,15 +359,33 @@ def _no_cuda_reason() -> str | None:
     return None
 
 
+def run_in_own_session(cmd: Sequence[str], timeout_s: float) -> subprocess.CompletedProcess[str] | None:
+    """``cmd`` in a session of its own; on timeout its whole process group is killed (a job's own
+    children, Lightning's ranks, must not outlive it holding the GPU) and ``None`` is returned."""
+    proc = subprocess.Popen(
+        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 def _run_child(job: str, out: Path, steps: int, timeout_s: float) -> Result:
     """Run one job in its own process; its checks fail (with the reason) if it crashes or hangs."""
     names = [name for name, j in CHECKS.items() if j == job]
     result_file = out / f"{job}.json"
     cmd = [sys.executable, __file__, "--child", job, "--out", str(out), "--steps", str(steps)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {name: ("FAIL", f"job {job} did not finish within {timeout_s:.0f} s") for name in names}
+    proc = run_in_own_session(cmd, timeout_s)
+    if proc is None:
+        return {
+            name: ("FAIL", f"job {job} did not finish within {timeout_s:.0f} s (its processes killed)")
+            for name in names
+        }
     if proc.returncode != 0 or not result_file.exists():
         tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
         return {name: ("FAIL", f"job {job} exited {proc.returncode}: {tail}") for name in names}
@@ -397,6 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reason is not None:
         for name in CHECKS:
             print(f"SKIP {name}: {reason}", flush=True)
+        _write_lines(args.out, {name: ("SKIP", reason) for name in CHECKS})
         return 0
     out = Path(args.out or tempfile.mkdtemp(prefix="pace_gpu_check_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -409,8 +430,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         failed += status == "FAIL"
         print(f"{status} {name}: {detail}", flush=True)
     elapsed = time.monotonic() - started
+    _write_lines(out, {name: done[name] for name in CHECKS})
     print(f"gpu_check: {len(CHECKS) - failed}/{len(CHECKS)} passed in {elapsed:.0f} s; logs in {out}")
     return 1 if failed else 0
+
+
+def _write_lines(out: str | Path | None, results: Result) -> None:
+    """``OUT/gpu_check.json``: one ``{"check", "status", "detail"}`` per printed line."""
+    if out is None:
+        return
+    Path(out).mkdir(parents=True, exist_ok=True)
+    lines = [
+        {"check": name, "status": status, "detail": detail} for name, (status, detail) in results.items()
+    ]
+    (Path(out) / "gpu_check.json").write_text(json.dumps(lines, indent=1))
 
 
 if __name__ == "__main__":
