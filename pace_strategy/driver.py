@@ -123,7 +123,7 @@ class PacingDriver:
 
     def load_state_dict(self, state: Mapping[str, Any] | None, source: str | None = None) -> None:
         """Restore what :meth:`state_dict` saved (every rank, the same state; local). The step count
-        continues from the saved one; without a session the state waits for :meth:`start`. A state
+        continues from the saved one; without a session the state waits for :meth:`adopt`. A state
         that cannot be restored is skipped with a warning; an empty one restores nothing."""
         loaded = dict(state) if state else None
         if loaded is not None and type(loaded.get("step")) is int:
@@ -133,7 +133,7 @@ class PacingDriver:
         else:
             self.session.load_state_dict(loaded, source=source, step=self.steps)
 
-    def start(self, session: PacingSession) -> None:
+    def adopt(self, session: PacingSession) -> None:
         """The adapter started ``session`` (adapters that cannot start it at construction): a state
         restored before is loaded now."""
         self.session = session

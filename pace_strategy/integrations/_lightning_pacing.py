@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.state import CHECKPOINT_KEY
+from pace_strategy.driver import PacingDriver
 from pace_strategy.hooks.ddp import CommHook, attach_paced_ddp
 from pace_strategy.integrations._preemption import SigtermHandler
 from pace_strategy.integrations.dashboard import custom_scalars_sink, tensorboard_loggers
@@ -101,9 +102,10 @@ class StrategyView(Protocol):
     def local_rank(self) -> int: ...
 
 
-class StrategyPacing:
-    """The pacing of one strategy: its validated config and, from setup to teardown, this rank's
-    :class:`~pace_strategy.session.PacingSession`, driven by the strategy's step events.
+class StrategyPacing(PacingDriver):
+    """The pacing of one strategy: a :class:`~pace_strategy.driver.PacingDriver` whose session runs
+    from setup to teardown, driven by the strategy's step events (steps labelled by the trainer's
+    global step).
 
     Args:
         pacing: the strategy's ``pacing=`` argument; validated here, in the constructor, so that bad
@@ -113,20 +115,19 @@ class StrategyPacing:
             logger's (see :func:`_record_dir`).
     """
 
+    rebalance: DataRebalance | None  #: the rebalanced training data (``rebalance=True``, DDP only)
+
     def __init__(self, pacing: PacingArg, strategy: StrategyView, run_dir: RunDirArg = None) -> None:
-        self.config = as_pacing_config(pacing)
+        super().__init__(as_pacing_config(pacing))
         if run_dir is not None and (not isinstance(run_dir, (str, os.PathLike)) or not os.fspath(run_dir)):
             raise PacingConfigError(
                 f"run_dir={run_dir!r} is invalid: expected the path of a directory for the run record "
                 "(a str or os.PathLike), or None for the logger's log_dir."
             )
         self.run_dir = None if run_dir is None else Path(run_dir)
-        self.session: PacingSession | None = None  #: this rank's session, while one runs
-        #: the rebalanced training data (``rebalance=True`` with a session, DDP only)
-        self.rebalance: DataRebalance | None = None
         self._strategy = strategy
         #: a checkpoint's state loaded before the session started: (state or None, step, path)
-        self._loaded: tuple[Mapping[str, Any] | None, int | None, str | None] | None = None
+        self._checkpoint: tuple[Mapping[str, Any] | None, int | None, str | None] | None = None
         self.received_sigterm = False  #: SIGTERM arrived while this strategy trained
         self._sigterm: SigtermHandler | None = None
         self._sigterm_before: object = None  # the SIGTERM handler before Lightning installed its own
@@ -166,8 +167,8 @@ class StrategyPacing:
             local_rank=strategy.local_rank,
         )
         self.session = session
-        if self._loaded is not None:  # the checkpoint was loaded first (DDP restores before setup)
-            state, step, path = self._loaded
+        if self._checkpoint is not None:  # the checkpoint was loaded first (DDP restores before setup)
+            state, step, path = self._checkpoint
             session.load_state_dict(state, source=path, step=step)
         # Lightning installs its SIGTERM handler after setup, chaining what it finds; remember that.
         self._sigterm_before = signal.getsignal(signal.SIGTERM)
@@ -188,8 +189,8 @@ class StrategyPacing:
         step = checkpoint.get("global_step")
         if self.session is not None:
             checkpoint[CHECKPOINT_KEY] = self.session.state_dict(step if isinstance(step, int) else -1)
-        elif self._loaded is not None and self._loaded[0] is not None:
-            checkpoint[CHECKPOINT_KEY] = dict(self._loaded[0])
+        elif self._checkpoint is not None and self._checkpoint[0] is not None:
+            checkpoint[CHECKPOINT_KEY] = dict(self._checkpoint[0])
 
     def load_state(self, checkpoint: Mapping[str, Any], path: str | os.PathLike[str] | None) -> None:
         """A checkpoint was loaded (``trainer.fit(ckpt_path=...)``, before or after the session
@@ -200,9 +201,9 @@ class StrategyPacing:
         source = None if path is None else os.fspath(path)
         if state is None and self._strategy.global_rank == 0:
             log.info("pace_strategy: checkpoint %s has no pacing state: the controller starts fresh", source)
-        self._loaded = (state, step if isinstance(step, int) else None, source)
+        self._checkpoint = (state, step if isinstance(step, int) else None, source)
         if self.session is not None:
-            self.session.load_state_dict(state, source=source, step=self._loaded[1])
+            self.session.load_state_dict(state, source=source, step=self._checkpoint[1])
 
     # ------------------------------------------------------------------ SIGTERM
     def guard_sigterm(self) -> None:
@@ -311,12 +312,11 @@ class StrategyPacing:
             return None
         return module.trainer
 
-    def begin_step(self) -> None:
-        """A training batch goes to the device: the step starts, at the trainer's global step."""
-        if self.session is not None and (trainer := self._training()) is not None:
-            self.session.pacer.begin_step(trainer.global_step)
-            if self.rebalance is not None:
-                self.rebalance.begin_batch()
+    def begin_batch(self) -> None:
+        """A training batch goes to the device: the step starts, at the trainer's global step (a
+        batch of validation or the others begins nothing)."""
+        if (trainer := self._training()) is not None:
+            self.begin_step(trainer.global_step)
 
     def time_dataloader(self, dataloader: object) -> None:
         """Count the time a training loader's iterators block as this rank's data wait (only while
@@ -325,33 +325,19 @@ class StrategyPacing:
             self.session.note_dataloader_workers(loader_workers(dataloader))
             time_dataloader(dataloader, lambda: self.session)
 
-    def end_step(self) -> None:
-        """The optimizer stepped: the step ends (and a window may be exchanged)."""
-        if self.session is not None:
-            self.session.end_step()
-        if self.rebalance is not None:
-            self.rebalance.end_step()
-
     def interrupt(self) -> None:
         """Validation starts: the step in progress, if any, is not a training step."""
         if self.session is not None:
             self.session.pacer.interrupt()
 
-    def finish(self) -> None:
-        """Training ended normally: flush and close the session (collective on every rank)."""
-        if self.session is not None:
-            self.session.finish()
-
     def fail(self, error: BaseException) -> None:
         """Training raised: record the failure and close locally (no collective). After a SIGTERM
         (Lightning's ``SIGTERMException``, or any error once the signal came: a peer that stopped
         first), the record is closed as ``terminated`` instead."""
-        if self.session is None:
-            return
-        if self.received_sigterm or type(error).__name__ == "SIGTERMException":
+        if self.session is not None and (self.received_sigterm or type(error).__name__ == "SIGTERMException"):
             self.session.terminate(f"SIGTERM ({type(error).__name__} in training)")
         else:
-            self.session.fail(error)
+            super().fail(error)
 
     def close(self) -> None:
         """Teardown: close a session that training did not finish (stopped early, or never trained),
@@ -362,7 +348,7 @@ class StrategyPacing:
         if self.session is not None:
             self.session.close()
         self.session = None
-        self._loaded = None
+        self._checkpoint = None
 
 
 @dataclass(frozen=True)

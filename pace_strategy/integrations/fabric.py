@@ -100,7 +100,7 @@ class FabricPacing(PacingDriver):
             node_rank=strategy.node_rank,
             local_rank=strategy.local_rank,
         )
-        self.start(session)
+        self.adopt(session)
         for workers in self._loader_workers:
             session.note_dataloader_workers(workers)
         attach_paced_ddp(model, session.pacer)
