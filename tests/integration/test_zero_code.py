@@ -28,14 +28,24 @@ HERE = Path(__file__).resolve().parent
 PACING = "pacing_config:\n  mode: monitor\n  exchange_every_steps: 4\n  warmup_steps: 2\n"
 PACE = [sys.executable, "-m", "pace_strategy.cli", "launch"]
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
+
+
 #: name -> launcher, accelerate config, script, its arguments after OUT_DIR, extra environment
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+#: rank 0 of the paced accelerate launch serves Prometheus metrics here (pacing_config: metrics_port)
+SCRAPE_PORT, TRAINER_SCRAPE_PORT = _free_port(), _free_port()
 LAUNCHES = {
     "accelerate": (
         PACE,
-        ACCELERATE_CPU_CONFIG.format(kind="MULTI_CPU") + PACING,
+        ACCELERATE_CPU_CONFIG.format(kind="MULTI_CPU") + PACING + f"  metrics_port: {SCRAPE_PORT}\n",
         "zero_code_accelerate_script.py",
         "12",
-        {},
+        {"SCRAPE_PORT": str(SCRAPE_PORT)},
     ),
     "plain": (
         ACCELERATE,
@@ -46,10 +56,10 @@ LAUNCHES = {
     ),
     "trainer": (
         PACE,
-        ACCELERATE_CPU_CONFIG.format(kind="MULTI_CPU") + PACING,
+        ACCELERATE_CPU_CONFIG.format(kind="MULTI_CPU") + PACING + f"  metrics_port: {TRAINER_SCRAPE_PORT}\n",
         "zero_code_trainer_script.py",
         "8",
-        {},
+        {"SCRAPE_PORT": str(TRAINER_SCRAPE_PORT)},
     ),
     "trainer-late": (
         PACE,
@@ -59,12 +69,6 @@ LAUNCHES = {
         {"ZERO_CODE_TRAINER_MODE": "late"},
     ),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Launch:
@@ -126,6 +130,15 @@ def check_straggler(record, steps: int) -> None:
     assert 25.0 < statistics.median(s["skew_ms"] for s in measured) < 80.0
 
 
+def check_scraped(stdout: str, steps: int = 4) -> None:
+    """The script's rank 0 scraped its own Prometheus endpoint during the run: rank 1 the straggler."""
+    scraped = {
+        line.split()[1]: float(line.split()[2]) for line in stdout.splitlines() if line.startswith("scraped ")
+    }
+    assert scraped["pace_straggler_rank"] == 1.0 and scraped["pace_steps_total"] >= steps, scraped
+    assert scraped['pace_lead_ms{rank="1"}'] == 0.0 and scraped['pace_lead_ms{rank="0"}'] > 10.0, scraped
+
+
 def test_an_unchanged_accelerate_script_is_paced_by_pace_launch(launches):
     launch = launches["accelerate"]
     stdout = launch.result()
@@ -135,6 +148,7 @@ def test_an_unchanged_accelerate_script_is_paced_by_pace_launch(launches):
     check_straggler(record, 12)  # 24 micro-batches, accumulation 2: 12 steps
     scalars = read_scalars(launch.out / "run")  # the script's own TensorBoard tracker
     check_dashboard(launch.out / "run")
+    check_scraped(stdout)  # rank 0's Prometheus endpoint, read over HTTP before end_training
     assert all(sorted(scalars[tag]) == list(range(12)) for tag in TAGS)
 
 
@@ -159,6 +173,7 @@ def test_an_unchanged_trainer_script_gets_pace_tags_in_its_tensorboard_logs(laun
     assert sorted(scalars["train/loss"]) == list(range(1, 9))
     assert all(sorted(scalars[tag]) == list(range(1, 9)) for tag in TAGS)
     assert statistics.median(scalars["pace/straggler_rank"].values()) == 1.0
+    check_scraped(stdout)
 
 
 def test_a_rank_late_to_the_trainer_s_pre_step_gather_is_the_straggler(launches):

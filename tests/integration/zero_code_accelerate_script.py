@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import urllib.request
 
 import torch
 from accelerate import Accelerator
@@ -34,10 +35,23 @@ def main(out: str, steps: int) -> None:
             optimizer.step()
             optimizer.zero_grad()
         done += accelerator.sync_gradients
+    scrape_metrics(accelerator.is_main_process)
     accelerator.end_training()
     if accelerator.is_main_process:
         print(f"prepare wrapped: {hasattr(Accelerator.prepare, '__wrapped__')}", flush=True)
         print(f"pace_strategy loaded: {'pace_strategy' in sys.modules}; trained {done} steps", flush=True)
+
+
+def scrape_metrics(main_process: bool) -> None:
+    """With SCRAPE_PORT set (the test's pacing_config has metrics_port), rank 0 reads its Prometheus
+    endpoint over HTTP before end_training closes it, and prints the pace_ lines."""
+    port = os.environ.get("SCRAPE_PORT")
+    if not port or not main_process:
+        return
+    time.sleep(1.0)  # the telemetry thread publishes the last exchanged window
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        lines = [line for line in response.read().decode().splitlines() if line.startswith("pace_")]
+    print("\n".join(f"scraped {line}" for line in lines), flush=True)
 
 
 if __name__ == "__main__":

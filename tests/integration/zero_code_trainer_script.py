@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import urllib.request
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,21 @@ class SlowOnRank1(BertForSequenceClassification):
         if dist.get_rank() == 1 and not LATE_START:
             time.sleep(0.02)
         return super().forward(input_ids=input_ids, labels=labels, **kwargs)
+
+
+class ScrapeAtTrainEnd(TrainerCallback):
+    """Rank 0 reads its Prometheus endpoint (SCRAPE_PORT; the test's pacing_config has metrics_port)
+    over HTTP at the end of training, before pace_strategy's own callback (added after this one)
+    closes it, and prints the pace_ lines."""
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if dist.get_rank() != 0:
+            return
+        time.sleep(1.0)  # the telemetry thread publishes the last exchanged window
+        url = f"http://127.0.0.1:{os.environ['SCRAPE_PORT']}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            lines = [line for line in response.read().decode().splitlines() if line.startswith("pace_")]
+        print("\n".join(f"scraped {line}" for line in lines), flush=True)
 
 
 class LateStartOnRank1(TrainerCallback):
@@ -73,7 +89,9 @@ def main(out: str, max_steps: int) -> None:
         use_cpu=True,
         disable_tqdm=True,
     )
-    callbacks = [LateStartOnRank1()] if LATE_START else []
+    callbacks: list[TrainerCallback] = [LateStartOnRank1()] if LATE_START else []
+    if os.environ.get("SCRAPE_PORT"):
+        callbacks.append(ScrapeAtTrainEnd())
     trainer = Trainer(model=SlowOnRank1(config), args=args, train_dataset=Tokens(), callbacks=callbacks)
     trainer.train()
     if trainer.is_world_process_zero():
