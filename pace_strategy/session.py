@@ -643,11 +643,14 @@ class PacingSession:
             for r, h, p, g in zip(report.ranks, line["hosts"], line["pids"], line["gpus"], strict=True)
         )
         text = "; ".join(report.sentences())
-        error = PaceHangError(
-            self.rank, self.world_size, f"{text}; hung: {who}; aborted (hang_action='abort')"
+        return PaceHangError(
+            self.rank,
+            self.world_size,
+            f"{text}; hung: {who}; aborted (hang_action='abort')",
+            ranks=tuple(report.ranks),
+            hosts=tuple(line["hosts"]),
+            pids=tuple(line["pids"]),
         )
-        error.ranks, error.hosts, error.pids = tuple(report.ranks), tuple(line["hosts"]), tuple(line["pids"])
-        return error
 
     def gc_report(self) -> dict[str, Any]:
         """This rank's garbage-collector totals since the session started (and what gc_sync did)."""

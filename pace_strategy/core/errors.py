@@ -35,6 +35,15 @@ class PaceHangError(PaceDistributedError):
     to exclude a host on restart); empty when not known.
     """
 
-    ranks: tuple[int, ...] = ()
-    hosts: tuple[str, ...] = ()
-    pids: tuple[int | None, ...] = ()
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        message: str,
+        *,
+        ranks: tuple[int, ...] = (),
+        hosts: tuple[str, ...] = (),
+        pids: tuple[int | None, ...] = (),
+    ) -> None:
+        super().__init__(rank, world_size, message)
+        self.ranks, self.hosts, self.pids = ranks, hosts, pids

@@ -230,25 +230,24 @@ class _TrainerTensorBoard:
                     return
                 except Exception:  # closed by the Trainer between the look-up and the write
                     pass
-            if self._log_dir is None:
-                return  # the Trainer has no TensorBoard writer: the run record only
-            if self._own is None:
-                from torch.utils.tensorboard import SummaryWriter
+            own = self._own_writer()
+            if own is not None:  # None: the Trainer has no TensorBoard writer, the run record only
+                self._add(own, metrics, global_step)
 
-                self._own = SummaryWriter(log_dir=self._log_dir)
-            self._add(self._own, metrics, global_step)
+    def _own_writer(self) -> Any | None:
+        """Our writer in the Trainer's TensorBoard directory, for what comes after the Trainer closed
+        its own (``None`` when the Trainer had none). Under the lock."""
+        if self._own is None and self._log_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._own = SummaryWriter(log_dir=self._log_dir)
+        return self._own
 
     def layout(self, layout: Mapping[str, Any]) -> None:
         """The dashboard layout, into the Trainer's writer (or, once it is closed, our own in its
         directory)."""
         with self._lock:
-            writer = self._trainer_writer()
-            if writer is None and self._log_dir is not None:
-                if self._own is None:
-                    from torch.utils.tensorboard import SummaryWriter
-
-                    self._own = SummaryWriter(log_dir=self._log_dir)
-                writer = self._own
+            writer = self._trainer_writer() or self._own_writer()
             if writer is not None:
                 writer.add_custom_scalars(dict(layout))
 

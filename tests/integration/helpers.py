@@ -76,6 +76,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def parse_metrics(text: str, prefix: str = "") -> dict[str, float]:
+    """The ``pace_`` samples of a Prometheus text exposition: ``name{labels}`` -> value. ``prefix``:
+    only lines starting with it count, and it is cut off first (a script's ``scraped `` lines)."""
+    samples = {}
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        line = line[len(prefix) :]
+        if line.startswith("pace_"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
 def only_version_dir(tmp_path: Path, name: str = "demo") -> Path:
     versions = sorted((tmp_path / "runs" / name).glob("version_*"))
     assert len(versions) == 1, versions

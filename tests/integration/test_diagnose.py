@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pace_strategy.telemetry import read_run_record
-from tests.integration.helpers import diagnose_json, only_version_dir, pace_diagnose, run_demo
+from tests.integration.helpers import diagnose_json, free_port, only_version_dir, pace_diagnose, run_demo
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -123,18 +122,12 @@ def test_healthy_run(tmp_path):
     assert modes(result) == ["healthy"], result["findings"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_nodes(tmp_path: Path, name: str, nodes: list[tuple[dict, list[str]]], *demo_args: str) -> None:
     """Start one demo process per node, as a multi-node launcher would (NODE_RANK, MASTER_* set).
 
     ``nodes``: per node, extra environment and a command prefix (e.g. ``ip netns exec NS``).
     """
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for node_rank, (extra_env, prefix) in enumerate(nodes):
         env = dict(os.environ, OMP_NUM_THREADS="1", NODE_RANK=str(node_rank), MASTER_PORT=port, **extra_env)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,18 +17,13 @@ import pytest
 
 from pace_strategy.core.evidence import process_start
 from pace_strategy.core.watchdog import HANG_EXIT_CODE
+from tests.integration.helpers import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(200)]
 
 HERE = Path(__file__).resolve().parent
 HANG_TIMEOUT_S = 3.0
 ENDS_WITHIN_S = HANG_TIMEOUT_S + 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _gone(pid: int) -> bool:
@@ -48,7 +42,7 @@ def _start(out: Path, kind: str) -> subprocess.Popen[str]:
         command = [sys.executable, str(HERE / "hang_lightning_job.py"), str(out)]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                   "127.0.0.1", "--master_port", str(_free_port()), str(HERE / "fault_job.py"), str(out),
+                   "127.0.0.1", "--master_port", str(free_port()), str(HERE / "fault_job.py"), str(out),
                    "--hang-timeout", str(HANG_TIMEOUT_S)]  # fmt: skip
     with (out / "output.txt").open("w") as log:  # a file, not a pipe: a full pipe would stall the job
         return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)

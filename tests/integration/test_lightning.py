@@ -190,16 +190,13 @@ def test_a_user_comm_hook_does_the_communication_on_cpu(tmp_path, monitor):
 
 
 def test_rank_0_serves_live_prometheus_metrics_while_the_trainer_trains(tmp_path):
-    import socket
     import subprocess
     import time
     import urllib.request
 
-    from tests.integration.helpers import demo_command
+    from tests.integration.helpers import demo_command, free_port, parse_metrics
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     command = demo_command(
         tmp_path, *COMMON, "--steps", "150", "--straggler", "1:20", "--pacing", f"metrics_port={port}"
     )
@@ -215,11 +212,7 @@ def test_rank_0_serves_live_prometheus_metrics_while_the_trainer_trains(tmp_path
             except OSError:  # not serving yet (the trainer starts the session at setup)
                 time.sleep(0.2)
                 continue
-            scraped = {
-                line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines()
-                if line.startswith("pace_")
-            }
+            scraped = parse_metrics(text)
             if scraped.get("pace_steps_total", 0.0) >= 40:
                 break
             time.sleep(0.2)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -16,19 +15,13 @@ import pytest
 
 from pace_strategy.data.phases import share_phases
 from pace_strategy.telemetry import TAGS, read_run_record
-from tests.integration.helpers import check_dashboard, read_scalars
+from tests.integration.helpers import check_dashboard, free_port, parse_metrics, read_scalars
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(200)]
 
 SCRIPT = Path(__file__).resolve().parent / "pytorch_script.py"
 MODES = ("ddp", "fsdp", "noend", "rebalance")
 STEPS = 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +31,10 @@ def runs(tmp_path_factory):
     for mode in MODES:
         out = root / mode
         out.mkdir()
-        port = str(_free_port())
+        port = str(free_port())
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
                    "127.0.0.1", "--master_port", port, str(SCRIPT), str(out), mode]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "METRICS_PORT": str(_free_port())}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "METRICS_PORT": str(free_port())}
         pipe = subprocess.PIPE
         procs[mode] = (out, subprocess.Popen(command, env=env, stdout=pipe, stderr=pipe, text=True))
     yield procs
@@ -86,11 +79,7 @@ def test_a_plain_ddp_loop_is_measured_with_its_own_summary_writer(runs):
     assert all(sorted(scalars[tag]) == list(range(STEPS)) for tag in TAGS)
     assert results[0]["weights"] == results[1]["weights"]
     # rank 0's Prometheus endpoint, scraped over HTTP during the run: rank 1 the straggler
-    metrics = {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in (out / "metrics.txt").read_text().splitlines()
-        if line.startswith("pace_")
-    }
+    metrics = parse_metrics((out / "metrics.txt").read_text())
     assert metrics["pace_straggler_rank"] == 1.0 and 20.0 < metrics["pace_skew_ms"] < 80.0, metrics
     assert metrics["pace_steps_total"] >= STEPS - 4 and metrics['pace_lead_ms{rank="1"}'] == 0.0, metrics
     assert metrics['pace_lead_ms{rank="0"}'] > 20.0 and metrics['pace_windows_total{state="monitor"}'] >= 3

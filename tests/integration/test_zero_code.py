@@ -11,7 +11,6 @@ tests/unit/test_zero_code.py and tests/unit/test_pacing_callback.py."""
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -20,7 +19,13 @@ from pathlib import Path
 import pytest
 
 from pace_strategy.telemetry import TAGS, read_run_record
-from tests.integration.helpers import ACCELERATE_CPU_CONFIG, check_dashboard, read_scalars
+from tests.integration.helpers import (
+    ACCELERATE_CPU_CONFIG,
+    check_dashboard,
+    free_port,
+    parse_metrics,
+    read_scalars,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -31,14 +36,9 @@ ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 
 
 #: name -> launcher, accelerate config, script, its arguments after OUT_DIR, extra environment
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 #: rank 0 of the paced accelerate launch serves Prometheus metrics here (pacing_config: metrics_port)
-SCRAPE_PORT, TRAINER_SCRAPE_PORT = _free_port(), _free_port()
+SCRAPE_PORT, TRAINER_SCRAPE_PORT = free_port(), free_port()
 LAUNCHES = {
     "accelerate": (
         PACE,
@@ -83,7 +83,7 @@ class Launch:
                 *command,
                 # the three launches run at once: each its own free port, not accelerate's 29500
                 "--main_process_port",
-                str(_free_port()),
+                str(free_port()),
                 "--config_file",
                 str(self.dir / "accel.yaml"),
                 str(HERE / script),
@@ -132,9 +132,7 @@ def check_straggler(record, steps: int) -> None:
 
 def check_scraped(stdout: str, steps: int = 4) -> None:
     """The script's rank 0 scraped its own Prometheus endpoint during the run: rank 1 the straggler."""
-    scraped = {
-        line.split()[1]: float(line.split()[2]) for line in stdout.splitlines() if line.startswith("scraped ")
-    }
+    scraped = parse_metrics(stdout, prefix="scraped ")
     assert scraped["pace_straggler_rank"] == 1.0 and scraped["pace_steps_total"] >= steps, scraped
     assert scraped['pace_lead_ms{rank="1"}'] == 0.0 and scraped['pace_lead_ms{rank="0"}'] > 10.0, scraped
 

@@ -11,6 +11,7 @@ import pytest
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.records import Decision, PolicyState, StepSummary
 from pace_strategy.telemetry.prometheus import MetricsEndpoint
+from tests.integration.helpers import parse_metrics
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -27,12 +28,9 @@ def _summary(step: int, world: int) -> StepSummary:
 
 
 def _scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("pace_")
-    }
+    return parse_metrics(
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    )
 
 
 def _decision(state: PolicyState) -> Decision:
