@@ -10,7 +10,8 @@ each) a clean run is oversubscribed, and `host_oversubscription` is then the rig
 runs are counted apart (named / any other finding). Then the injected scenarios, which must still be
 named (first, with the right ranks; any unexpected extra finding is listed): a persistent straggler,
 a slow data loader, rotating transient stragglers, a slow local rank on two "nodes" (locality), a
-persistent straggler on an oversubscribed host, and with real compute only: a rank slow in its
+persistent straggler on an oversubscribed host, rotating transient stragglers on one (named
+beside it), and with real compute only: a rank slow in its
 backward (a sleep at the injection point after the first block) and one doing real CPU work in its
 forward and backward.
 
@@ -178,6 +179,14 @@ def injected_scenarios() -> list[Scenario]:
             nodes=2,
             expect="locality",
             expect_ranks=(1, 3),
+            extra_ok=("host_oversubscription",),
+        ),
+        Scenario(
+            "rotating-r3-crowded",
+            3,
+            12,
+            ("--straggler", "0:30:0.1,1:30:0.1,2:30:0.1"),
+            expect="sync_amplification",
             extra_ok=("host_oversubscription",),
         ),
         Scenario(

@@ -29,6 +29,11 @@ class Clock(Protocol):
     #: recorded asynchronously; resolving the newest step would stall the host on the device.
     resolve_lag_steps: int
 
+    #: Whether marks are host times, so that marks around a blocking call bracket the time the rank
+    #: was blocked in it (``True``). ``False``: marks are taken on the device's current stream, and a
+    #: collective issued on a side stream (FSDP2) is timed where the compute stream waits for it.
+    host_time: bool
+
     def mark(self) -> Any: ...
 
     def elapsed_ms(self, start: Any, end: Any) -> float: ...
@@ -44,6 +49,7 @@ class HostClock:
     """Monotonic host time (``time.perf_counter_ns``); the right clock for CPU / gloo training."""
 
     resolve_lag_steps = 0
+    host_time = True
 
     def mark(self) -> int:
         return time.perf_counter_ns()
@@ -78,6 +84,7 @@ class CudaEventClock:
     """
 
     resolve_lag_steps = 2
+    host_time = False
 
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda":
@@ -142,12 +149,14 @@ class CudaEventClock:
 class ManualClock:
     """A clock that only moves when told to: deterministic time for unit tests of the Pacer.
 
-    ``delay`` advances the clock, as if the rank slept.
+    ``delay`` advances the clock, as if the rank slept. ``host_time=False`` stands for a device clock
+    (synthetic stream marks, to test the arithmetic of the device model without a device).
     """
 
     resolve_lag_steps = 0
 
-    def __init__(self, start_ms: float = 0.0) -> None:
+    def __init__(self, start_ms: float = 0.0, *, host_time: bool = True) -> None:
+        self.host_time = host_time
         self.now_ms = start_ms
         self.delays_ms: list[float] = []
 

@@ -7,7 +7,8 @@ the delay is applied there), ``arrive`` (the end of the rank's local backward: i
 ready for the collective; this is the rank's **arrival**), ``sync_done`` (after DDP has waited for
 every bucket) or ``sync_done_callback`` (chained onto the last bucket's future) and ``end_step``
 (after the optimizer step). FSDP, whose all-gathers and reduce-scatters are each a sync point, brackets every
-collective with ``enter_collective`` / ``exit_collective`` instead (the first applies the delay).
+collective with ``enter_collective`` / ``exit_collective`` instead (the first applies the delay) and,
+on a device clock, every place the compute stream waits for one with ``enter_wait`` / ``exit_wait``.
 The hot path is a few clock marks and a counter; everything else happens once per window.
 
 The Pacer decides; it does not summarize. Whoever needs per-step :class:`StepSummary` records (the
@@ -74,7 +75,9 @@ class _OpenStep:
     #: hand-offs after the first (buckets, or FSDP collectives): a count, never read as times (a mark
     #: each would be a CUDA event per bucket per step on GPU)
     handoffs: int = 0
-    #: (hand-off, completion) marks of each collective timed on its own (FSDP); empty for DDP buckets
+    #: (start, end) marks of each time the rank was held by a collective of its own (FSDP): on a host
+    #: clock the collective call itself, on a device clock a wait of the compute stream for one (see
+    #: :meth:`Pacer.enter_wait`); empty for DDP buckets
     collectives: list[tuple[Any, Any]] = field(default_factory=list)
     #: (entry, exit, where) of each blocking collective the framework ran outside the gradient sync
     #: (:meth:`Pacer.enter_framework_sync`); ``where`` is the field its time is taken from
@@ -125,6 +128,8 @@ class Pacer:
         self.rank = rank
         self.world_size = world_size
         self.clock: Clock = clock if clock is not None else HostClock()
+        # a clock of our contract written before ``host_time`` existed is a host clock
+        self._host_time = bool(getattr(self.clock, "host_time", True))
         self.exchange = WindowExchange(group, rank, world_size, config.exchange_timeout_s)
         self.policy = PacingPolicy(config, world_size)
         self._open: _OpenStep | None = None
@@ -161,6 +166,11 @@ class Pacer:
     def delay_ms(self) -> float:
         """Delay this rank currently applies before its first gradient collective, milliseconds."""
         return self._delay_ms
+
+    @property
+    def clock_is_host_time(self) -> bool:
+        """Whether the clock's marks are host times (see ``Clock.host_time``)."""
+        return self._host_time
 
     @property
     def steps_seen(self) -> int:
@@ -326,8 +336,31 @@ class Pacer:
         return start
 
     def exit_collective(self, start: Any | None) -> None:
-        """The collective handed off at ``start`` has completed (on CUDA: the mark is enqueued after it
-        on the stream that waits for it)."""
+        """The collective handed off at ``start`` has returned. On a host clock the call blocked until
+        it completed, so ``start`` to now is time the rank was held by it. On a device clock FSDP2
+        issues it on a side stream (all-gather, reduce-scatter), where it overlaps compute and the
+        other collectives: its marks would time the side stream, not what the step waited for, so it
+        is only counted here and the compute stream's waits are timed by :meth:`enter_wait`."""
+        step = self._open
+        if step is None or start is None or not self._host_time:
+            return
+        end = self.clock.mark()
+        step.collectives.append((start, end))
+        step.done = end
+
+    def enter_wait(self) -> Any | None:
+        """On a device clock: the compute stream is about to wait for a collective (FSDP2's wait for an
+        all-gather before a forward or backward, for the reduce-scatters at the end of backward).
+        Returns the mark for :meth:`exit_wait`; ``None`` on a host clock (the collective call itself
+        was the wait, timed by :meth:`exit_collective`) or outside a training step."""
+        if self._open is None or self._host_time:
+            return None
+        return self.clock.mark()
+
+    def exit_wait(self, start: Any | None) -> None:
+        """The compute stream has resumed after the wait entered at ``start``: ``start`` to now on the
+        compute stream is time the step waited for a collective (the first one's includes the pacing
+        delay, which was spun on the stream that issued it). The last one is the step's completion."""
         step = self._open
         if step is None or start is None:
             return
@@ -537,7 +570,14 @@ class Pacer:
         delay = self._measured_delay_ms(s)
         row[Field.VALID] = 1.0 if seen else 0.0
         row[Field.WARMUP] = 1.0 if s.warmup else 0.0
-        if seen and s.collectives:
+        if seen and s.collectives and not self._host_time:
+            # Device model (docs/telemetry.md, "FSDP on a device"): the waits are the compute stream's
+            # for the collectives, and the first of them also waited out the delay spun ahead of the
+            # first collective on its own stream: it is the delay's time, not waiting for the others.
+            blocked = sum(el(a, b) for a, b in s.collectives)
+            row[Field.WAIT_MS] = max(blocked - delay, 0.0)
+            row[Field.COMPUTE_MS] = max(el(s.begin, s.done) - blocked, 0.0)
+        elif seen and s.collectives:
             blocked = sum(el(a, b) for a, b in s.collectives)
             row[Field.WAIT_MS] = blocked
             row[Field.COMPUTE_MS] = max(el(s.begin, s.done) - blocked - delay, 0.0)

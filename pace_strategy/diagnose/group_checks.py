@@ -91,8 +91,9 @@ def sync_amplification(run: RunStats, explained: set[int]) -> list[Finding]:
         return []
     p = run.share[run.share > 0]
     entropy = float(-(p * np.log(p)).sum() / math.log(run.W)) if run.W > 1 else 0.0
-    lost = run.lost_when(run.all_steps)
-    jitter = run.jitter_when(run.all_steps)
+    # what a crowded host's time-slicing accounts for is its own; amplification is the rest
+    lost = run.lost_when(run.all_steps) - run.accounted_lost
+    jitter = max(0.0, run.jitter_when(run.all_steps) - run.accounted_floor)
     p50 = float(np.percentile(run.skew, 50))
     p99 = float(np.percentile(run.skew, SKEW_TAIL_PERCENTILE))
     heavy = p50 <= 0 or p99 / max(p50, EPSILON) >= cfg.heavy_tail_ratio
@@ -103,6 +104,11 @@ def sync_amplification(run: RunStats, explained: set[int]) -> list[Finding]:
     growth = max_growth(run)
     grows = len(growth) > 1 and growth[-1][1] > cfg.growth_ratio * growth[0][1]
     curve = ", ".join(f"{k} ranks {v:.1f} ms" for k, v in growth)
+    crowded = (
+        f"; the crowded host's share, {pct(run.accounted_lost)}, is not counted here"
+        if run.accounted_lost > 0
+        else ""
+    )
     return [
         Finding(
             mode=Mode.SYNC_AMPLIFICATION,
@@ -122,7 +128,7 @@ def sync_amplification(run: RunStats, explained: set[int]) -> list[Finding]:
                 f"turns, entropy {entropy:.2f}, none above {pct(float(run.share.max()))}); skew p50 "
                 f"{p50:.1f} ms, p99 {p99:.1f} ms{' (heavy-tailed)' if heavy else ''}; "
                 f"{pct(lost)} of step time lost to waiting ({pct(lost - jitter)} beyond what the bulk "
-                f"of the jitter, sd {run.floor.sigma_ms:.2f} ms per rank, explains); expected "
+                f"of the jitter, sd {run.floor.sigma_ms:.2f} ms per rank, explains{crowded}); expected "
                 "slowest-rank excess grows with "
                 f"ranks: {curve}"
             ),

@@ -6,7 +6,9 @@ calibrate`), unpaced, on a seeded subsample of the record's steps. Per finding, 
 
 - ``waiting``: the share of step time ranks spend waiting at the sync point at R ranks (jitter,
   transient stragglers, a crowded host: everything that makes the slowest of R ranks late), with the
-  ranks other findings name behaving like the others (what they cost is theirs);
+  ranks other findings name behaving like the others (what they cost is theirs); where several
+  findings share the waiting (a crowded host's bulk scatter and transient stragglers beside it), each
+  is projected its measured share of it;
 - ``ranks``: what the named ranks cost: the waiting (ms per step) minus the waiting of the same job
   with those ranks behaving like the others (the same random draws, so the difference is the
   ranks'), over the step with them;
@@ -95,6 +97,7 @@ def project(
     transfer_variable = float(
         (cal.transfer_ms - np.percentile(cal.transfer_ms, _TRANSFER_FLOOR_PERCENTILE)).mean()
     )
+    waiting = [f.lost_step_fraction for f in findings if f.projection_basis == "waiting"]
     out = []
     for f in findings:
         points = []
@@ -110,7 +113,8 @@ def project(
                 per_step = transfer_mean if f.projection_basis == "transfer" else transfer_variable
                 cost = per_step * ring_factor(cal.ranks, n) / plain.mean_step_ms
             else:
-                cost = rest[n].lost_fraction
+                split = f.lost_step_fraction / sum(waiting) if len(waiting) > 1 and sum(waiting) > 0 else 1.0
+                cost = rest[n].lost_fraction * split
             points.append({"ranks": n, "lost_fraction": max(0.0, float(cost))})
         out.append(dataclasses.replace(f, projection=points))
     meta = Projection(

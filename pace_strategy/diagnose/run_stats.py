@@ -115,6 +115,11 @@ class RunStats:
         #: a network or device links between the ranks (several hosts, or accelerators)
         self.has_fabric = len(set(self.hosts)) >= MIN_PLACES or any(not d.startswith("cpu") for d in devices)
         self.notes: list[str] = []  #: what the checks observed but do not report as findings
+        #: shares of step time (lost, and its noise floor) that a cause without ranks of its own (a
+        #: crowded host's time-slicing) has claimed of the whole run's waiting: the checks that read
+        #: the whole run's waiting count only the rest
+        self.accounted_lost = 0.0
+        self.accounted_floor = 0.0
         # The gap before step k (its previous collective's completion to its start) holds the rank's
         # optimizer step of step k-1 (``opt``, where recorded) and its input (``data``), its own work,
         # and the framework's loop between steps, where a framework may run a collective of its own
@@ -144,6 +149,11 @@ class RunStats:
 
     def lost_when(self, mask: np.ndarray) -> float:
         return float(self.lost_per_step[mask].sum()) / self.total_step if self.total_step > 0 else 0.0
+
+    def account(self, lost: float, floor: float) -> None:
+        """Claim ``lost`` of the run's waiting (share of step time) and ``floor`` of its noise floor."""
+        self.accounted_lost += lost
+        self.accounted_floor += floor
 
     def jitter_when(self, mask: np.ndarray) -> float:
         """The noise floor over the masked steps: the waiting the run's own jitter explains there."""

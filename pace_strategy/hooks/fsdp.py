@@ -7,10 +7,21 @@ module used before (torch's default, or the user's own), hand every call to the 
 bracket it with the pacer's ``enter_collective`` / ``exit_collective``. So pacing never changes the
 math, only when the rank issues its first collective of the step.
 
-Only synchronous calls are timed to completion (FSDP's default, ``async_op=False``): on the host the
-call returns when the collective is done; on CUDA, c10d makes the current stream wait for it, so the
-event recorded after it marks completion. An asynchronous call (``unshard_async_op=True``) is counted
-as a hand-off only.
+On a host clock (CPU, gloo) a synchronous call (FSDP's default, ``async_op=False``) returns when the
+collective is done, so the call is the time the rank was held by it; an asynchronous one
+(``unshard_async_op=True``) is counted as a hand-off only.
+
+On a device clock (CUDA events) FSDP2 issues each collective inside ``torch.cuda.stream`` of its own
+(the all-gather stream, the reduce-scatter stream), where it overlaps compute and the other
+collectives: marks around the call would time the side stream. What the step waits for is where the
+*compute stream* waits: FSDP's ``wait_for_unshard`` (before a group's forward, and its backward when
+it was resharded), ``post_backward`` (where it waits for an older reduce-scatter to bound memory) and
+``finalize_backward`` (for the last reduce-scatters). Those three methods of each parameter group are
+bracketed with ``Pacer.enter_wait`` / ``exit_wait``, marks on the compute stream; the last one is the
+step's completion. The delay is spun on the stream that issues the step's first collective (the
+current stream inside FSDP's ``torch.cuda.stream`` block), once: later all-gathers, prefetches
+included, queue behind it on that stream and are not delayed again. The model is in
+docs/telemetry.md ("FSDP on a device").
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from pace_strategy.core.pacer import Pacer
 
 __all__ = [
     "STEP_METHODS",
+    "WAIT_METHODS",
     "PacedAllGather",
     "PacedReduceScatter",
     "auto_shard",
@@ -132,6 +144,8 @@ def register_paced_collectives(model: nn.Module, pacer: Pacer) -> int:
             reduce_scatter = reduce_scatter.inner
         module.set_custom_all_gather(PacedAllGather(pacer, all_gather))  # type: ignore[operator]
         module.set_custom_reduce_scatter(PacedReduceScatter(pacer, reduce_scatter))  # type: ignore[operator]
+        if not pacer.clock_is_host_time:
+            _bracket_waits(group, pacer)
         count += 1
     if count == 0:
         raise PacingConfigError(
@@ -139,6 +153,43 @@ def register_paced_collectives(model: nn.Module, pacer: Pacer) -> int:
             "pace_strategy.auto_shard) to the model before pacing it."
         )
     return count
+
+
+#: the methods of an FSDP2 parameter group in which the compute stream waits for its collectives
+WAIT_METHODS = ("wait_for_unshard", "post_backward", "finalize_backward")
+
+
+class _WaitBracket:
+    """A parameter group's method, bracketed with compute-stream marks (``Pacer.enter_wait`` /
+    ``exit_wait``); set on the group instance, so FSDP's own calls (``self.wait_for_unshard()``)
+    go through it, and removed again by :func:`unregister_paced_collectives`."""
+
+    def __init__(self, pacer: Pacer, method: Any) -> None:
+        self.pacer = pacer
+        self.method = method
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        start = self.pacer.enter_wait()
+        try:
+            return self.method(*args, **kwargs)
+        finally:
+            self.pacer.exit_wait(start)
+
+
+def _bracket_waits(group: Any, pacer: Pacer) -> None:
+    for name in WAIT_METHODS:
+        current = getattr(group, name, None)
+        if current is None:  # a torch without this wait point: nothing of it to time
+            continue
+        if isinstance(current, _WaitBracket):
+            current = current.method
+        setattr(group, name, _WaitBracket(pacer, current))
+
+
+def _unbracket_waits(group: Any) -> None:
+    for name in WAIT_METHODS:
+        if isinstance(group.__dict__.get(name), _WaitBracket):
+            delattr(group, name)  # back to the class's method
 
 
 def _refuse_replicate_dimension(module: nn.Module, group: Any) -> None:
@@ -166,6 +217,7 @@ def unregister_paced_collectives(model: nn.Module) -> int:
         group = _param_group(module)
         if group is None:
             continue
+        _unbracket_waits(group)
         all_gather = getattr(group, "_all_gather_comm", None)
         reduce_scatter = getattr(group, "_reduce_scatter_comm", None)
         if isinstance(all_gather, PacedAllGather):

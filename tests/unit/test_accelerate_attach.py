@@ -104,7 +104,7 @@ def test_unregister_restores_the_fsdp2_collectives_it_wrapped():
         fully_shard(model, mesh=mesh)
         groups = [_param_group(m) for m in (model[0], model)]
         own = [(g._all_gather_comm, g._reduce_scatter_comm) for g in groups]
-        assert register_paced_collectives(model, SimpleNamespace()) == 2
+        assert register_paced_collectives(model, SimpleNamespace(clock_is_host_time=True)) == 2
         assert all(isinstance(g._all_gather_comm, PacedAllGather) for g in groups)
         assert unregister_paced_collectives(model) == 2
         assert [(g._all_gather_comm, g._reduce_scatter_comm) for g in groups] == own
@@ -126,7 +126,7 @@ def test_hsdp_on_a_two_dimensional_mesh_is_refused_naming_what_is_supported():
         mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
         fully_shard(model, mesh=mesh)  # a 2-D mesh: HSDP
         with pytest.raises(PacingConfigError, match=r"2-D device mesh \(HSDP.*1-D mesh"):
-            register_paced_collectives(model, SimpleNamespace())
+            register_paced_collectives(model, SimpleNamespace(clock_is_host_time=True))
         assert not isinstance(_param_group(model)._all_gather_comm, PacedAllGather)  # nothing changed
     finally:
         dist.destroy_process_group()

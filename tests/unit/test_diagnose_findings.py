@@ -199,9 +199,8 @@ def test_rotating_transient_stragglers_on_two_ranks_are_sync_amplification():
     assert f.mode == "sync_amplification" and f.ranks == [0, 1]
 
 
-def test_more_busy_threads_than_cores_is_host_oversubscription_not_amplification():
-    g = np.random.default_rng(5)
-    c = 12.0 + g.normal(0, 0.3, (300, 2)) + 30.0 * (g.random((300, 2)) < 0.1)  # would be amplification
+def test_more_busy_threads_than_cores_is_host_oversubscription():
+    c = 12.0 + np.random.default_rng(5).normal(0, 0.3, (300, 2))
     a = with_topology(arrays(c), crowded_topology(2, threads=2))
     d = diagnose(a, project_ranks=None)
     assert [f.mode for f in d.findings] == ["host_oversubscription"], d.findings
@@ -212,6 +211,31 @@ def test_more_busy_threads_than_cores_is_host_oversubscription_not_amplification
     )
     assert "torch.set_num_threads(1)" in f.action and "affinity" in f.action
     assert f.details["busy_threads"] == 4 and f.details["suggested_threads_per_rank"] == 1
+
+
+def test_a_crowded_host_does_not_hide_rotating_stragglers_each_cause_gets_its_share():
+    # 3 ranks on 2 cores, and a random rank 30 ms late in ~27% of steps: the host accounts for the
+    # waiting its ranks' bulk scatter gives, the transient stragglers for the rest, the larger share
+    g = np.random.default_rng(5)
+    c = 12.0 + g.normal(0, 0.8, (400, 3)) + 30.0 * (g.random((400, 3)) < 0.1)
+    a = with_topology(arrays(c), crowded_topology(3, threads=1))
+    d = diagnose(a, project_ranks=(8, 512))
+    assert [f.mode for f in d.findings] == ["sync_amplification", "host_oversubscription"], d.findings
+    amp, host = d.findings
+    total = d.stats["lost_step_fraction"]
+    # the shares split the run's waiting: the host's is its jitter floor, amplification's the rest
+    assert host.lost_step_fraction == pytest.approx(d.stats["noise_floor_fraction"])
+    assert amp.lost_step_fraction + host.lost_step_fraction == pytest.approx(total)
+    assert amp.lost_step_fraction > 3 * host.lost_step_fraction and amp.ranks == [0, 1, 2]
+    assert f"the crowded host's share, {host.lost_step_fraction:.1%}" in amp.evidence, amp.evidence
+    assert "more is waiting for ranks late by far more than that scatter" in host.evidence, host.evidence
+    assert host.details["waiting_fraction"] == pytest.approx(total)
+    # projected to scale, each gets its share of the job's waiting, never the whole of it twice
+    for n, (p_amp, p_host, waiting) in enumerate(
+        zip(amp.projection, host.projection, d.projection["waiting"], strict=True)
+    ):
+        assert p_amp["lost_fraction"] + p_host["lost_fraction"] == pytest.approx(waiting["lost_fraction"]), n
+        assert p_amp["lost_fraction"] > p_host["lost_fraction"]
 
 
 def test_an_old_record_counts_one_thread_per_rank():
