@@ -5,7 +5,9 @@ OUT_DIR/result_RANK.json (rank 0: each job's weights, TensorBoard dir and captur
         plain    strategy="ddp", TensorBoard; rank 1 30 ms late per micro-batch, accumulating 2
         paced    the same with strategy="paced_ddp"
         nolog    paced_ddp without a logger: no run record
-        explicit PacedFabricDDPStrategy(run_dir=...) with PACE_RUN_DIR set: the argument wins
+        explicit PacedFabricDDPStrategy(run_dir=..., pacing=...) with PACE_RUN_DIR set: the argument
+                 wins; rank 1 late, metrics_port=$METRICS_PORT: rank 0 scrapes its own Prometheus
+                 endpoint over HTTP before the end
         env      paced_ddp without a logger, PACE_RUN_DIR set: the record goes there
     python fabric_script.py OUT_DIR single   # 1 process, paced_ddp with TensorBoard: no run record
 """
@@ -16,6 +18,7 @@ import json
 import os
 import sys
 import time
+import urllib.request
 import warnings
 from pathlib import Path
 from typing import Any
@@ -31,9 +34,17 @@ from pace_strategy.shutdown import leave_without_finalization
 SLOW_RANK, SLOW_MS, ACCUMULATE, BATCH = 1, 30, 2, 4
 
 
+def scrape(port: int) -> list[str]:
+    """The ``pace_`` lines of rank 0's Prometheus endpoint, read over HTTP."""
+    time.sleep(1.0)  # the telemetry thread publishes the last exchanged window
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return [line for line in response.read().decode().splitlines() if line.startswith("pace_")]
+
+
 def train(fabric: Fabric, steps: int, slow: bool) -> dict[str, Any]:
     """``steps`` optimizer steps of ``ACCUMULATE`` micro-batches each, the others under
-    ``fabric.no_backward_sync``; logs ``loss`` at every optimizer step."""
+    ``fabric.no_backward_sync``; logs ``loss`` at every optimizer step. Rank 0 of a session with a
+    ``metrics_port`` scrapes its endpoint before finishing."""
     fabric.seed_everything(0, verbose=False)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.05))
@@ -52,10 +63,14 @@ def train(fabric: Fabric, steps: int, slow: bool) -> dict[str, Any]:
             optimizer.zero_grad()
             fabric.log_dict({"loss": loss.item()}, step=step)
             step += 1
+    session = getattr(fabric.strategy, "pacing_session", None)
+    port = session.config.metrics_port if session is not None else 0
+    scraped = scrape(port) if port and fabric.global_rank == 0 else []
     finish_pacing(fabric)  # collective; does nothing for plain ddp
     for logger in fabric.loggers:
         logger.finalize("success")
-    return {"steps": step, "weights": {k: v.tolist() for k, v in net.state_dict().items()}}
+    weights = {k: v.tolist() for k, v in net.state_dict().items()}
+    return {"steps": step, "weights": weights, "scraped": scraped}
 
 
 def job(out: Path, name: str, strategy: Any, steps: int, logger: bool, slow: bool = False) -> dict[str, Any]:
@@ -78,8 +93,9 @@ def main(out: Path) -> None:
         "nolog": job(out, "nolog", "paced_ddp", 4, logger=False),
     }
     os.environ["PACE_RUN_DIR"] = str(out / "env")
-    explicit = PacedFabricDDPStrategy(run_dir=out / "explicit", pacing={"exchange_every_steps": 2})
-    results["explicit"] = job(out, "explicit", explicit, 4, logger=False)
+    pacing = {"exchange_every_steps": 2, "metrics_port": int(os.environ["METRICS_PORT"])}
+    explicit = PacedFabricDDPStrategy(run_dir=out / "explicit", pacing=pacing)
+    results["explicit"] = job(out, "explicit", explicit, 4, logger=False, slow=True)
     results["env"] = job(out, "env", "paced_ddp", 4, logger=False)
     (out / f"result_{results['env']['rank']}.json").write_text(json.dumps(results))
 

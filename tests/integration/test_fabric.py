@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from pace_strategy.telemetry import TAGS, lead_tag, read_run_record
-from tests.integration.helpers import check_dashboard, read_scalars
+from tests.integration.helpers import check_dashboard, free_port, parse_metrics, read_scalars
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -29,7 +29,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]
     root = tmp_path_factory.mktemp("fabric")
     (root / "cwd").mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PACE_RUN_DIR"}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", METRICS_PORT=str(free_port()))
 
     def start(*args: str) -> subprocess.Popen[str]:
         command = [sys.executable, str(SCRIPT), str(root / "out"), *args]
@@ -73,6 +73,11 @@ def test_paced_ddp_names_the_slow_rank_in_tensorboard(runs):
     assert all(s["straggler_rank"] == 1 for s in record.steps[WARMUP:])
     charts = check_dashboard(Path(paced["log_dir"]))  # the logger's writer has the pace dashboard
     assert any(kind == "Multiline" and "lead per rank" in title for title, (kind, _) in charts.items())
+    # the explicit job's rank 0 served Prometheus metrics (metrics_port), scraped over HTTP before the end
+    scraped = parse_metrics("\n".join(results["explicit"]["scraped"]))
+    assert scraped["pace_straggler_rank"] == 1.0 and scraped["pace_steps_total"] >= 2, scraped
+    assert scraped['pace_lead_ms{rank="1"}'] == 0.0 and scraped['pace_lead_ms{rank="0"}'] > 30.0, scraped
+    assert paced["scraped"] == [] and results["plain"]["scraped"] == []  # off by default
 
 
 def test_switching_ddp_for_paced_ddp_changes_nothing_else(runs):
