@@ -42,6 +42,7 @@ from pace_strategy.core.evidence import (
 )
 from pace_strategy.core.gc_monitor import GcMonitor
 from pace_strategy.core.gc_sync import GcSync
+from pace_strategy.core.memory import device_memory_probe
 from pace_strategy.core.netif import GLOO_IFNAME_VARIABLE, gloo_interface
 from pace_strategy.core.pacer import Pacer, WindowResult
 from pace_strategy.core.state import STATE_VERSION, PacingStateError, StatefulComponent, check_state
@@ -164,7 +165,8 @@ class PacingSession:
             clock = clock_for_device(device)
             if isinstance(clock, CudaEventClock) and config.mode != "monitor":
                 clock.calibrate()  # now, on the session's device: not inside the first paced step
-        self.pacer = Pacer(config, group, rank, world_size, clock)
+        memory = device_memory_probe(device) if config.rebalance else None
+        self.pacer = Pacer(config, group, rank, world_size, clock, memory_probe=memory)
         self.metrics_sink = metrics_sink if rank == 0 else None
         self._dashboard = dashboard if rank == 0 else None
         #: rank 0, ``config.metrics_port``: the live Prometheus endpoint (started here: a port that

@@ -70,6 +70,8 @@ class _OpenStep:
     gc_collections: int = 0
     gc_due: float = 0.0
     samples: int = 0
+    #: the device had reached the arrival when the host ended the step (``Field.HOST_BOUND``)
+    host_bound: bool = True
     #: whether bucket hand-offs are seen (the comm-hook monitor); False: the buckets are not timed
     bucketed: bool = True
     #: hand-offs after the first (buckets, or FSDP collectives): a count, never read as times (a mark
@@ -112,6 +114,8 @@ class Pacer:
         rank: this rank's index in ``group``.
         world_size: number of ranks in ``group``.
         clock: how durations are measured (:func:`~pace_strategy.core.clock.clock_for_device`).
+        memory_probe: the device's peak allocated memory as a fraction of its total
+            (:func:`~pace_strategy.core.memory.device_memory_probe`; ``None``: not measured, CPU).
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class Pacer:
         rank: int,
         world_size: int,
         clock: Clock | None = None,
+        memory_probe: Callable[[], float] | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
@@ -130,6 +135,7 @@ class Pacer:
         self.clock: Clock = clock if clock is not None else HostClock()
         # a clock of our contract written before ``host_time`` existed is a host clock
         self._host_time = bool(getattr(self.clock, "host_time", True))
+        self._memory_probe = memory_probe
         self.exchange = WindowExchange(group, rank, world_size, config.exchange_timeout_s)
         self.policy = PacingPolicy(config, world_size)
         self._open: _OpenStep | None = None
@@ -421,6 +427,9 @@ class Pacer:
             return None
         self._open = None
         step.end = self.clock.mark()
+        arrival = step.arrival if step.arrival is not None else step.entered
+        # never waits: an event query on CUDA, always true on a host clock
+        step.host_bound = arrival is None or self.clock.ready(arrival)
         if self.gc_sync is not None:
             step.gc_due = self.gc_sync.due()
         self._last_label = step.step
@@ -597,6 +606,8 @@ class Pacer:
         row[Field.SAMPLES] = float(s.samples)
         row[Field.GC_DUE] = s.gc_due
         row[Field.OPT_MS] = el(s.done, s.end) if seen else 0.0
+        row[Field.HOST_BOUND] = 1.0 if s.host_bound else 0.0
+        row[Field.MEM_PEAK] = self._memory_probe() if self._memory_probe is not None else 0.0
         if seen:
             for start, end, where in s.framework_syncs:
                 blocked = el(start, end)

@@ -50,13 +50,46 @@ from pace_strategy.core.shares import even_shares
 from pace_strategy.core.state import STATE_VERSION, PacingStateError, check_state
 
 __all__ = [
+    "MEMORY_LIMIT_FRACTION",
     "RebalanceDecision",
     "RebalancePolicy",
     "RebalanceState",
     "best_split",
     "first_boundary",
     "measure_window",
+    "memory_caps",
+    "resolve_quantum",
 ]
+
+#: a split may give a rank at most the share whose predicted peak memory (its peak so far, scaled by
+#: the share) is this fraction of the device's: the rest is the caching allocator's fragmentation and
+#: what the framework allocates outside the step
+MEMORY_LIMIT_FRACTION = 0.9
+
+#: ``rebalance_quantum="auto"``: the quantum is 8 where the even share is at least this many samples
+_AUTO_QUANTUM_FULL_SHARE = 64
+_AUTO_QUANTUM = 8
+
+
+def resolve_quantum(setting: int | str, global_batch: int, world_size: int) -> int:
+    """The quantum in samples: ``setting`` itself, or for ``"auto"`` 8 where the even share is at
+    least 64 samples, else the largest power of two up to an eighth of it (at least 1)."""
+    if setting != "auto":
+        return int(setting)
+    even = global_batch // max(world_size, 1)
+    if even >= _AUTO_QUANTUM_FULL_SHARE:
+        return _AUTO_QUANTUM
+    return 1 << max(0, (max(even // 8, 1)).bit_length() - 1)
+
+
+def memory_caps(mem_peak: Sequence[float], shares: Sequence[int]) -> tuple[int | None, ...]:
+    """Per rank, the most samples its device is predicted to hold: its peak memory so far
+    (``mem_peak[r]``, a fraction of the device) at its share ``shares[r]``, scaled linearly to
+    :data:`MEMORY_LIMIT_FRACTION` (``None``: not measured, CPU)."""
+    return tuple(
+        int(MEMORY_LIMIT_FRACTION * s / m) if m > 0 and s > 0 else None
+        for m, s in zip(mem_peak, shares, strict=True)
+    )
 
 
 class RebalanceState(str, enum.Enum):
@@ -107,6 +140,8 @@ class WindowMeasure:
     per_sample_ms: tuple[float, ...]  #: per-rank mean of compute time / samples, ms
     step_ms: float  #: mean step time (slowest rank), ms: what sets the samples per second
     paced: bool  #: some usable step ran under a pacing delay
+    #: per-rank peak device memory so far, a fraction of the device (``Field.MEM_PEAK``; 0: CPU)
+    mem_peak: tuple[float, ...] = ()
 
 
 def measure_window(gathered: torch.Tensor, global_batch: int) -> WindowMeasure | str:
@@ -148,16 +183,23 @@ def measure_window(gathered: torch.Tensor, global_batch: int) -> WindowMeasure |
         per_sample_ms=tuple(per_sample.tolist()),
         step_ms=float(rows[:, :, Field.STEP_MS].amax(dim=0).mean()),
         paced=bool((rows[:, :, Field.DELAY_MS] > 0).any()),
+        mem_peak=tuple(rows[:, :, Field.MEM_PEAK].amax(dim=1).tolist()),
     )
 
 
 def best_split(
-    per_sample_ms: Sequence[float], global_batch: int, quantum: int, max_share: float | None = None
+    per_sample_ms: Sequence[float],
+    global_batch: int,
+    quantum: int,
+    max_share: float | None = None,
+    caps: Sequence[int | None] | None = None,
 ) -> tuple[tuple[int, ...], float]:
     """The split of ``global_batch`` in whole ``quantum``-sample units (each rank at least one) that
     minimizes the slowest predicted compute ``per_sample_ms[r] * shares[r]``, and that compute (ms).
     ``max_share``: no rank takes more quanta than fit in that multiple of the even share (the even
-    split always fits: the cap is at least the even share rounded up to a quantum).
+    split always fits: the cap is at least the even share rounded up to a quantum). ``caps``: per
+    rank, the most samples it may take (``None``: no cap; :func:`memory_caps`), at least one quantum;
+    ``ValueError`` when together they cannot hold the global batch.
 
     Greedy: each unit goes to the rank whose compute after taking it is smallest (optimal for a
     min-max of linear loads); among equal loads, to the rank furthest below its share proportional
@@ -177,21 +219,28 @@ def best_split(
     ideal = [units * v / sum(speed) for v in speed]  # units proportional to speed
     even_units = -(-units // world)  # the even share, rounded up to whole quanta
     cap = units if max_share is None else max(even_units, int(max_share * global_batch / world) // quantum)
+    most = [c if c is not None else global_batch for c in (caps or [None] * world)]  # samples
+    limit = [max(1, min(cap, c // quantum)) for c in most]
+    if sum(limit) < units:
+        raise ValueError(
+            f"the caps {list(caps or [])} do not hold {global_batch} samples in quanta of {quantum}"
+        )
 
     def key(r: int, count: int) -> tuple[float, float, int]:
         return (t[r] * (count + 1) * quantum, count - ideal[r], r)
 
     count = [1] * world
-    heap = [key(r, 1) for r in range(world)]
+    heap = [key(r, 1) for r in range(world) if limit[r] > 1]
     heapq.heapify(heap)
     for _ in range(units - world):
         r = heapq.heappop(heap)[2]
         count[r] += 1
-        if count[r] < cap:  # a rank at its cap takes no more
+        if count[r] < limit[r]:  # a rank at its cap takes no more
             heapq.heappush(heap, key(r, count[r]))
     shares = [c * quantum for c in count]
     if rest:
-        r = min(range(world), key=lambda i: (t[i] * (shares[i] + rest), i))
+        room = [i for i in range(world) if shares[i] + rest <= most[i]]
+        r = min(room or range(world), key=lambda i: (t[i] * (shares[i] + rest), i))
         shares[r] += rest
     return tuple(shares), max(t[r] * shares[r] for r in range(world))
 
@@ -235,7 +284,9 @@ class RebalancePolicy:
         self.config = config
         self.global_batch = global_batch
         self.world_size = world_size
-        best_split([1.0] * world_size, global_batch, config.rebalance_quantum)  # N >= W quanta, or fail now
+        #: samples per quantum (``rebalance_quantum``, or what ``"auto"`` gives for this batch)
+        self.quantum = resolve_quantum(config.rebalance_quantum, global_batch, world_size)
+        best_split([1.0] * world_size, global_batch, self.quantum)  # N >= W quanta, or fail now
         self.even = even_shares(global_batch, world_size)
         self.state = RebalanceState.WATCH
         self._shares = tuple(shares) if shares is not None else self.even  #: the latest split
@@ -312,10 +363,12 @@ class RebalancePolicy:
     # ------------------------------------------------------------------ one method per state
     def _update_watch(self, window: int, m: WindowMeasure, from_step: int) -> RebalanceDecision:
         cfg = self.config
-        shares, saving = self._proposal(m.per_sample_ms, m.compute_ms, m.wait_ms, m.batches)
+        shares, saving, memory = self._proposal(
+            m.per_sample_ms, m.compute_ms, m.wait_ms, m.batches, m.mem_peak
+        )
         note = (
             f"mean per-sample compute {_ms(m.per_sample_ms)} ms at {list(self._shares)}; best split "
-            f"{list(shares)} saves {saving:.2f} of {m.step_ms:.2f} ms"
+            f"{list(shares)} saves {saving:.2f} of {m.step_ms:.2f} ms{memory}"
         )
         if shares == self._shares or saving < cfg.rebalance_min_imbalance * m.step_ms:
             self._streak = []
@@ -333,7 +386,7 @@ class RebalancePolicy:
         compute = _median_each([w.compute_ms for w in self._streak])
         wait = _median_each([w.wait_ms for w in self._streak])
         step_ms = statistics.median(w.step_ms for w in self._streak)
-        shares, saving = self._proposal(per_sample, compute, wait, m.batches)
+        shares, saving, memory = self._proposal(per_sample, compute, wait, m.batches, m.mem_peak)
         self._streak = []
         if shares == self._shares or saving < cfg.rebalance_min_imbalance * step_ms:
             return self._set(window, RebalanceState.WATCH, f"balanced over the streak: {note}", m)
@@ -347,7 +400,7 @@ class RebalancePolicy:
             RebalanceState.TRIAL,
             f"imbalanced for {cfg.rebalance_persist_windows} windows (mean per-sample compute "
             f"{_ms(per_sample)} ms): split {list(self._previous)} -> {list(shares)} from step {from_step}, "
-            f"predicted to save {saving:.2f} ms of {step_ms:.2f}; A/B trial against "
+            f"predicted to save {saving:.2f} ms of {step_ms:.2f}{memory}; A/B trial against "
             f"{self._baseline_ms:.2f} ms",
             m,
             from_step=from_step,
@@ -359,8 +412,10 @@ class RebalancePolicy:
         compute_ms: Sequence[float],
         wait_ms: Sequence[float],
         batches: int,
-    ) -> tuple[tuple[int, ...], float]:
-        """The best split by per-sample compute and the step time it is predicted to save, ms.
+        mem_peak: Sequence[float] = (),
+    ) -> tuple[tuple[int, ...], float, str]:
+        """The best split by per-sample compute, the step time it is predicted to save (ms), and
+        what the devices' memory changed about it (``""``: nothing).
 
         Two clock-free predictions must agree, and the smaller counts: by compute (the slowest
         compute now against the slowest per-sample time x new share) and by arrival (each rank's
@@ -369,13 +424,27 @@ class RebalancePolicy:
         path, a data stall) keeps the step long whatever the split: the arrival prediction says so,
         and the split, which only per-sample compute sets, never moves work because of it.
         """
-        shares, slowest_ms = best_split(
-            per_sample_ms, self.global_batch, self.config.rebalance_quantum, self.config.rebalance_max_share
-        )
+        n, q, most = self.global_batch, self.quantum, self.config.rebalance_max_share
+        free, slowest_ms = best_split(per_sample_ms, n, q, most)
+        caps = memory_caps(mem_peak, self._shares) if any(v > 0 for v in mem_peak) else None
+        memory = ""
+        shares = free
+        if caps is not None:
+            held = [r for r, c in enumerate(caps) if c is not None and free[r] > c]
+            if held:
+                try:
+                    shares, slowest_ms = best_split(per_sample_ms, n, q, most, caps)
+                except ValueError:
+                    return self._shares, 0.0, "; no split that moves samples fits the devices' memory"
+                memory = "; held by device memory: " + ", ".join(
+                    f"rank {r} at most {caps[r]} samples (peak {mem_peak[r]:.0%} of its device at "
+                    f"{self._shares[r]}; {free[r]} would reach {mem_peak[r] * free[r] / self._shares[r]:.0%})"
+                    for r in held
+                )
         by_compute = max(compute_ms) - slowest_ms * batches  # a step trains ``batches`` such splits
         change = [per_sample_ms[r] * shares[r] * batches - compute_ms[r] for r in range(self.world_size)]
         by_arrival = -min(wait_ms) - max(change[r] - wait_ms[r] for r in range(self.world_size))
-        return shares, min(by_compute, by_arrival)
+        return shares, min(by_compute, by_arrival), memory
 
     def _update_trial(self, window: int, m: WindowMeasure, from_step: int) -> RebalanceDecision:
         cfg = self.config
@@ -535,6 +604,7 @@ class RebalancePolicy:
                     "per_sample_ms": list(w.per_sample_ms),
                     "step_ms": w.step_ms,
                     "paced": w.paced,
+                    "mem_peak": list(w.mem_peak),
                 }
                 for w in ms
             ]
@@ -644,4 +714,5 @@ def _measure(w: Mapping[str, Any]) -> WindowMeasure:
         per_sample_ms=tuple(float(v) for v in w["per_sample_ms"]),
         step_ms=float(w["step_ms"]),
         paced=bool(w["paced"]),
+        mem_peak=tuple(float(v) for v in w.get("mem_peak", ())),  # absent in states saved before it
     )

@@ -47,6 +47,16 @@ class Field(enum.IntEnum):
     #: between steps, its input and any collective it runs there (Lightning broadcasts from rank 0
     #: every step), which completes late on a rank behind a slower network path.
     OPT_MS = 14
+    #: 1.0 when the host was the bottleneck of the step: the device had already reached the rank's
+    #: arrival (the end of its local backward) when the host ended the step, so it was waiting for
+    #: the host and a host-side pause (a collection, input) lengthened the step. 0.0: the device was
+    #: still behind, and a host pause up to that lag was hidden by the run-ahead. Always 1.0 on a
+    #: host clock (CPU: the host is the device). Read without waiting (``Clock.ready``).
+    HOST_BOUND = 15
+    #: the device's peak allocated memory so far (``torch.cuda.max_memory_allocated``) as a fraction
+    #: of its total, read when the step is resolved; 0.0 on CPU. Exchanged for rebalancing's memory
+    #: check (a split that would not fit is never taken), not written to the run record.
+    MEM_PEAK = 16
 
 
 NUM_FIELDS = len(Field)
@@ -126,3 +136,5 @@ class StepSummary:
     samples: tuple[int, ...] = ()  #: per rank: samples trained on (0: not known)
     #: per rank: completion of the collective -> step end (optimizer step, the framework's hooks)
     opt_ms: tuple[float, ...] = ()
+    #: per rank: 1 when the host was the bottleneck of the step (``Field.HOST_BOUND``)
+    host_bound: tuple[int, ...] = ()

@@ -71,6 +71,7 @@ class StepSummarizer:
                     gc_collections=tuple(int(v) for v in per_rank[Field.GC_COLLECTIONS][i]),
                     samples=tuple(int(v) for v in per_rank[Field.SAMPLES][i]),
                     opt_ms=tuple(per_rank[Field.OPT_MS][i]),
+                    host_bound=tuple(int(v) for v in per_rank[Field.HOST_BOUND][i]),
                 )
             )
         return tuple(out)

@@ -1,5 +1,12 @@
 """The check that blames the garbage collector: the late rank's excess in the costly steps is its own
-GC time (``gc_pauses``). Needs a record with per-rank ``gc_ms``."""
+GC time (``gc_pauses``). Needs a record with per-rank ``gc_ms``.
+
+``gc_ms`` is host time; the lateness is device time on CUDA. A collection lengthens the step only
+when the host, not the device, was the bottleneck of that step (``host_bound``: the device had
+caught up with the host); with the host running ahead, the pause is hidden and a rank late in that
+step is late for another reason. So only host-bound steps of the late rank count as GC steps (every
+step of a CPU run is).
+"""
 
 from __future__ import annotations
 
@@ -36,6 +43,11 @@ def gc_pauses(run: RunStats, explained: set[int]) -> list[Finding]:
     own = gc_ms[rows, late_rank]
     others = np.median(np.where(np.eye(run.W, dtype=bool)[late_rank], np.nan, gc_ms[rows]), axis=1)
     excess = np.clip(own - np.nan_to_num(others), 0.0, None)
+    hidden = 0
+    if a.host_bound is not None:
+        bound = a.host_bound[rows, late_rank]
+        hidden = int(((excess > 0) & ~bound).sum())
+        excess = np.where(bound, excess, 0.0)  # a pause the device's lag hid explains nothing
     covered = np.minimum(excess, late)
     share = float(covered.sum() / max(float(late.sum()), EPSILON))
     by_gc = covered >= _STEP_MAJORITY * np.maximum(late, EPSILON)
@@ -71,6 +83,12 @@ def gc_pauses(run: RunStats, explained: set[int]) -> list[Finding]:
                 f"above {noise:.1f} ms: {per_1000:.1f} per 1,000 steps per rank, p{GC_PAUSE_PERCENTILE} "
                 f"{p99:.0f} ms, longest {float(gc_ms.max()):.0f} ms{collections}: each rank pauses at "
                 f"its own steps and every other rank waits"
+                + (
+                    f"; in {hidden:,} more costly steps the late rank's pause fell while its device was "
+                    "still behind its host (hidden by the run-ahead), so they are not counted"
+                    if hidden
+                    else ""
+                )
             ),
             action=_action(run, synced=bool((a.header.get("config") or {}).get("gc_sync"))),
             details={
@@ -80,6 +98,7 @@ def gc_pauses(run: RunStats, explained: set[int]) -> list[Finding]:
                 "pauses_per_1000_steps_per_rank": per_1000,
                 "pause_ms_p99": p99,
                 "pause_ms_max": float(gc_ms.max()),
+                "hidden_steps": hidden,
             },
         )
     ]

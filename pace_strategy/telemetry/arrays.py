@@ -55,6 +55,9 @@ class RunArrays:
     samples: np.ndarray | None = None
     #: [S, ranks] collective completion -> step end (optimizer step, hooks); None: not recorded
     opt: np.ndarray | None = None
+    #: ``[steps, ranks]`` bool: the host was the bottleneck of the step on that rank (its device had
+    #: reached the arrival when the host ended the step); all true on CPU and in older records
+    host_bound: np.ndarray | None = None
     shares: list[dict[str, Any]] = field(default_factory=list)  #: the record's ``shares`` lines
     hangs: list[dict[str, Any]] = field(default_factory=list)  #: the record's ``hang`` lines
     #: every attempt of an elastically restarted job whose record lies beside this one (this one
@@ -147,6 +150,7 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
     header = next(objs)
     world = int(header["world_size"])
     cols: dict[str, list[Any]] = {k: [] for k in _RANK_FIELDS + _OPTIONAL_RANK_FIELDS}
+    host_bound: list[Any] = []
     steps, step_ms, active = [], [], []
     decisions: list[dict[str, Any]] = []
     hangs: list[dict[str, Any]] = []
@@ -166,6 +170,9 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
             for k in _OPTIONAL_RANK_FIELDS:
                 if k in ranks:
                     cols[k].append(ranks[k])
+            # a step line without ``host_bound`` had every rank host-bound (the writer omits it
+            # then; CPU runs and records written before the field never have it)
+            host_bound.append(ranks.get("host_bound") or [1] * world)
             steps.append(obj["step"])
             step_ms.append(obj["step_ms"])
             active.append(obj["pacing_active"])
@@ -207,6 +214,7 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
         gc_collections=optional("gc_collections"),
         samples=optional("samples"),
         opt=optional("opt_ms"),
+        host_bound=np.asarray(host_bound, dtype=bool).reshape(len(steps), world),
         shares=shares,
         hangs=hangs,
         attempts=_attempts(
@@ -316,6 +324,7 @@ def load_timeline(records: Sequence[str | os.PathLike[str]]) -> RunArrays:
         gc_collections=cat_optional("gc_collections"),
         samples=cat_optional("samples"),
         opt=cat_optional("opt"),
+        host_bound=cat_optional("host_bound"),
         hangs=[h for a in parts for h in a.hangs],
         attempts=[t for a in parts for t in a.attempts],
         segments=segments,

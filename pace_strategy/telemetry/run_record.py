@@ -133,6 +133,10 @@ def step_line(s: StepSummary) -> dict[str, Any]:
         "opt_ms": _cleans(s.opt_ms),
     }
     line["ranks"].update((key, values) for key, values in optional.items() if values)
+    if s.host_bound and not all(s.host_bound):
+        # sparse: only where some rank's device was still behind its host (never on CPU); a step
+        # without the field had every rank host-bound
+        line["ranks"]["host_bound"] = list(s.host_bound)
     return line
 
 
@@ -534,7 +538,7 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
 }
 _RANK_FIELDS = ("lead_ms", "compute_ms", "wait_ms", "delay_ms", "step_ms", "data_ms", "gap_ms")
 #: per-rank step fields added in later versions: checked when present (older records lack them)
-_OPTIONAL_RANK_FIELDS = ("gc_ms", "gc_collections", "samples", "opt_ms")
+_OPTIONAL_RANK_FIELDS = ("gc_ms", "gc_collections", "samples", "opt_ms", "host_bound")
 _TYPE_WORDS = {int: "an integer", bool: "true or false", str: "a string", dict: "an object", list: "a list"}
 
 

@@ -66,3 +66,23 @@ def test_with_gc_sync_on_the_action_is_short_pauses_not_gc_sync(arrays):
     header = {**arrays.header, "config": {**arrays.header["config"], "gc_sync": True}}
     (finding,) = gc_pauses(RunStats(dataclasses.replace(arrays, header=header), DiagnosisConfig()), set())
     assert "gc_sync is on" in finding.action and "gc_sync_freeze=True" in finding.action
+
+
+def test_a_pause_the_device_hid_is_not_blamed_on_the_collector(arrays):
+    # The same record as if it ran on a GPU whose device was still behind its host in every step: the
+    # collector paused the host, but the run-ahead hid the pause, so it explains no lateness
+    hidden = dataclasses.replace(arrays, host_bound=np.zeros_like(arrays.host_bound))
+    assert gc_pauses(RunStats(hidden, DiagnosisConfig()), set()) == []
+    # host-bound in the costly steps (every step of this CPU run is): named, nothing hidden
+    assert arrays.host_bound is not None and arrays.host_bound.all()
+    (finding,) = gc_pauses(RunStats(arrays, DiagnosisConfig()), set())
+    assert finding.details["hidden_steps"] == 0 and "hidden by the run-ahead" not in finding.evidence
+    # hidden on rank 1 only: its steps stop counting (about half the lateness is left explained, so
+    # the default share of 0.8 no longer names the collector), and the evidence says how many
+    one = arrays.host_bound.copy()
+    one[:, 1] = False
+    with_one = dataclasses.replace(arrays, host_bound=one)
+    assert gc_pauses(RunStats(with_one, DiagnosisConfig()), set()) == []
+    (finding,) = gc_pauses(RunStats(with_one, DiagnosisConfig(gc_explained_share=0.3)), set())
+    assert finding.ranks == [0] and 0.3 < finding.details["explained_share"] < 0.6
+    assert finding.details["hidden_steps"] > 10 and "hidden by the run-ahead" in finding.evidence

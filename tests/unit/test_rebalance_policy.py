@@ -30,6 +30,8 @@ from pace_strategy.core.rebalance import (
     best_split,
     first_boundary,
     measure_window,
+    memory_caps,
+    resolve_quantum,
 )
 from pace_strategy.core.records import NUM_FIELDS, Field
 from pace_strategy.core.shares import ShareSchedule
@@ -51,6 +53,7 @@ CFG = PacingConfig(
     warmup_steps=2,
     rebalance_cooldown_windows=4,
     max_cooldown_windows=16,
+    rebalance_quantum=8,  # the arithmetic below is pinned in quanta of 8 ("auto" would take 4 here)
 )
 
 
@@ -532,3 +535,63 @@ def test_no_rank_takes_more_than_the_max_share_of_the_even_split():
     assert sum(best_split([1.0, 1.0, 9.0], 100, 8, max_share=1.0)[0]) == 100
     with pytest.raises(PacingConfigError, match="rebalance_max_share"):
         PacingConfig(rebalance_max_share=0.9)
+
+
+# ---------------------------------------------------------------------- quantum and device memory
+def test_the_auto_quantum_follows_the_even_share():
+    assert resolve_quantum(8, 64, 2) == 8 and resolve_quantum(3, 64, 2) == 3  # a number is used as is
+    # 8 from 64 samples per rank; below, the largest power of two up to an eighth of the even share
+    assert [resolve_quantum("auto", 2 * even, 2) for even in (512, 64, 63, 32, 16, 12, 8, 4, 1)] == [
+        8,
+        8,
+        4,
+        4,
+        2,
+        1,
+        1,
+        1,
+        1,
+    ]
+    assert RebalancePolicy(dataclasses.replace(CFG, rebalance_quantum="auto"), 64, 2).quantum == 4
+    # at 32 samples per rank, quanta of 8 stop at 40/24 (slowest 24 ms); quanta of 4 reach 44/20 (22 ms)
+    assert best_split([0.5, 1.0], 64, 8) == ((40, 24), 24.0)
+    assert best_split([0.5, 1.0], 64, 4) == ((44, 20), 22.0)
+    assert PacingConfig().rebalance_quantum == "auto"
+    for bad in (0, -8, "big", 2.5, True):
+        with pytest.raises(PacingConfigError, match=r"rebalance_quantum=.*an integer >= 1 or 'auto'"):
+            PacingConfig(rebalance_quantum=bad)
+
+
+def test_a_split_that_would_not_fit_the_devices_memory_is_never_proposed():
+    assert memory_caps((0.72, 0.0), (32, 32)) == (40, None)  # 0.9 x 32 / 0.72; CPU: no cap
+    with pytest.raises(ValueError, match="do not hold"):
+        best_split([1.0, 1.0], 64, 8, caps=(16, 16))
+    policy = RebalancePolicy(dataclasses.replace(CFG, rebalance_max_share=4.0), 64, 2)
+    # rank 1 is 3x slower per sample: free, the split would go to 48/16; rank 0's device is at 72%
+    windows = [window(i * K, (32, 32), (16.0, 48.0)) for i in range(3)]
+    for g in windows:
+        g[0, :, Field.MEM_PEAK] = 0.72
+    decisions = feed(policy, windows)
+    trial = decisions[-1]
+    assert trial.state is RebalanceState.TRIAL and trial.shares == (40, 24), trial.reason
+    assert "held by device memory: rank 0 at most 40 samples (peak 72% of its device at 32; 48 would" in (
+        trial.reason
+    )
+    # both devices already past the limit: no split that moves samples fits, the split stays even
+    full = RebalancePolicy(dataclasses.replace(CFG, rebalance_max_share=4.0), 64, 2)
+    windows = [window(i * K, (32, 32), (16.0, 48.0)) for i in range(3)]
+    for g in windows:
+        g[:, :, Field.MEM_PEAK] = 0.95
+    decisions = feed(full, windows)
+    assert all(d.state is RebalanceState.WATCH and d.shares == (32, 32) for d in decisions)
+    assert "no split that moves samples fits the devices' memory" in decisions[-1].reason
+
+
+def test_the_memory_peak_survives_a_state_round_trip():
+    policy = RebalancePolicy(CFG, 64, 2)
+    g = window(0, (32, 32), (16.0, 32.0))
+    g[:, :, Field.MEM_PEAK] = 0.5
+    feed(policy, [g])
+    restored = RebalancePolicy(CFG, 64, 2)
+    restored.load_state_dict(policy.state_dict())
+    assert [w.mem_peak for w in restored._streak] == [(0.5, 0.5)]
