@@ -17,7 +17,20 @@ only its own checks:
   30-second device spin (as behind a collective a dead peer never joins), and counts them;
 - ``gloo_ranks_share_gpu``: two gloo ranks on the same GPU, timed with CUDA events, pacing forced on;
 - ``parity_with_ddp``: those ranks end with bit-identical weights paced and with plain DDP;
-- ``run_record_and_diagnosis``: their run record reads back, summarizes and is diagnosed.
+- ``run_record_and_diagnosis``: their run record reads back, summarizes and is diagnosed;
+- ``nccl_ddp_grad_ready`` / ``nccl_ddp_comm_hook``: DDP over NCCL (a one-rank group) on a GPU-heavy
+  model (4096x4096 layers) in each monitor mode: the recorded step times add up to the synchronized
+  host wall time within 10%, compute > 0, wait >= 0;
+- ``nccl_hook_delay``: a forced delay inside the NCCL comm hook is measured within 10% of the
+  request while the host is not held for it;
+- ``fsdp_stream_marks``: the FSDP2 wrappers on a side stream with an inner collective that spins a
+  known time: the step's wait is what the compute stream waited (the spin less the compute that
+  overlapped it), not the side stream's call (docs/telemetry.md, "FSDP on a device");
+- ``nccl_pair_straggler`` / ``nccl_pair_decisions``: two processes on one GPU, each with its own
+  one-rank NCCL group for DDP, the gloo side group and the watchdog spanning both, rank 1 slow per
+  sample on the device: rank 1 named, pacing and rebalancing decisions taken;
+- ``multi_gpu_parity``: with 2+ GPUs, an N-rank NCCL job (3 where there are 3) paced in both monitor
+  modes and FSDP2, DDP bit-identical to plain DDP (SKIP on one GPU).
 
 The jobs are the project's own: the recipe job (``pace_strategy.apps.recipes``) and its model and data
 (``pace_strategy.apps.job``).
@@ -48,8 +61,15 @@ CHECKS: dict[str, str] = {
     "gloo_ranks_share_gpu": "gloo_ranks",
     "parity_with_ddp": "gloo_ranks",
     "run_record_and_diagnosis": "gloo_ranks",
+    "nccl_ddp_grad_ready": "nccl_ddp",
+    "nccl_ddp_comm_hook": "nccl_ddp",
+    "nccl_hook_delay": "nccl_ddp",
+    "fsdp_stream_marks": "fsdp_streams",
+    "nccl_pair_straggler": "nccl_pair",
+    "nccl_pair_decisions": "nccl_pair",
+    "multi_gpu_parity": "multi_gpu",
 }
-JOB_TIMEOUT_S = 150.0  #: most one child job may take
+JOB_TIMEOUT_S = 120.0  #: most one child job may take
 TOTAL_BUDGET_S = 290.0  #: all jobs together: the script ends within 5 minutes, failing what did not run
 GLOO_RANKS = 2
 #: ``--rehearse-on-cpu`` (hidden; for developing this script without a GPU) runs the jobs on the CPU:
@@ -61,7 +81,7 @@ def _on_cpu() -> bool:
     return os.environ.get(REHEARSE_ENV) == "1"
 
 
-Result = dict[str, tuple[str, str]]  #: check -> ("PASS" | "FAIL", detail)
+Result = dict[str, tuple[str, str]]  #: check -> ("PASS" | "FAIL" | "SKIP", detail)
 
 
 def _check(results: Result, name: str, ok: bool, detail: str) -> None:
@@ -121,6 +141,8 @@ def _device_delay(out: Path, steps: int) -> Result:
 
     from pace_strategy.core.clock import CudaEventClock
 
+    if _on_cpu():
+        return {"device_delay": ("FAIL", "rehearsal on CPU: no device stream to delay")}
     clock = CudaEventClock(torch.device("cuda", 0))
     clock.delay(1.0)  # calibrates the spin kernel once
     torch.cuda.synchronize()
@@ -337,12 +359,413 @@ def _gloo_ranks(out: Path, steps: int) -> Result:
     return results
 
 
+# ------------------------------------------------------------------------------------- NCCL, one rank
+HEAVY_WIDTH = 4096  #: the GPU-heavy model's layer width: each step keeps the stream busy with matmuls
+REHEARSAL_WIDTH = 256  #: the same model on the CPU rehearsal (a 4096 layer would take seconds there)
+
+
+def _device() -> Any:
+    import torch
+
+    return torch.device("cpu") if _on_cpu() else torch.device("cuda", 0)
+
+
+def _backend() -> str:
+    return "gloo" if _on_cpu() else "nccl"
+
+
+def _heavy_net(device: Any) -> Any:
+    import torch
+
+    width = REHEARSAL_WIDTH if _on_cpu() else HEAVY_WIDTH
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(width, width) for _ in range(4)]
+    return torch.nn.Sequential(*layers).to(device)
+
+
+def _sync() -> None:
+    import torch
+
+    if not _on_cpu():
+        torch.cuda.synchronize()
+
+
+def _nccl_ddp(out: Path, steps: int) -> Result:
+    """DDP over a one-rank NCCL group on the GPU-heavy model, in each monitor mode; then a forced delay
+    inside the comm hook."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from pace_strategy import attach_paced_ddp
+    from pace_strategy.core.config import PacingConfig
+    from pace_strategy.session import PacingSession
+    from pace_strategy.telemetry.run_record import read_run_record
+
+    device = _device()
+    dist.init_process_group(_backend(), store=dist.HashStore(), rank=0, world_size=1)
+    width = REHEARSAL_WIDTH if _on_cpu() else HEAVY_WIDTH
+    x = torch.randn(256, width, device=device)
+    results: Result = {}
+    warm, measured = 5, max(steps // 2, 8)
+    for monitor in ("grad_ready", "comm_hook"):
+        model = DDP(_heavy_net(device), device_ids=None if _on_cpu() else [0])
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        config = PacingConfig(mode="monitor", ddp_monitor=monitor, exchange_every_steps=4, warmup_steps=0)
+        path = out / monitor
+        session = PacingSession.start(
+            config, rank=0, world_size=1, device=device, group=None, framework="gpu_check", log_dir=path
+        )
+        attach_paced_ddp(model, session.pacer)
+        wall_ms = 0.0
+        for step in range(warm + measured):
+            if step == warm:
+                _sync()
+                started = time.perf_counter()
+            session.pacer.begin_step(step)
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            session.end_step()
+        _sync()
+        wall_ms = (time.perf_counter() - started) * 1e3
+        session.finish()
+        record = read_run_record(path)
+        timed = [s for s in record.steps if warm <= s["step"] < warm + measured and s["valid"]]
+        recorded_ms = sum(s["step_ms"] or 0.0 for s in timed)
+        compute = [s["ranks"]["compute_ms"][0] for s in timed]
+        wait = [s["ranks"]["wait_ms"][0] for s in timed]
+        _check(
+            results,
+            f"nccl_ddp_{monitor}",
+            len(timed) == measured
+            and abs(recorded_ms - wall_ms) <= 0.1 * wall_ms
+            and min(compute, default=0.0) > 0.0
+            and min(wait, default=-1.0) >= 0.0,
+            f"{dist.get_backend()} DDP, {len(timed)}/{measured} timed steps: recorded {recorded_ms:.1f} ms "
+            f"against {wall_ms:.1f} ms synchronized host wall time; compute "
+            f"{min(compute, default=0):.2f}..{max(compute, default=0):.2f} ms, wait "
+            f"{min(wait, default=0):.2f}..{max(wait, default=0):.2f} ms",
+        )
+    # a forced delay inside the NCCL comm hook: on the stream, not on the host
+    model = DDP(_heavy_net(device), device_ids=None if _on_cpu() else [0])
+    config = PacingConfig(mode="forced", ddp_monitor="comm_hook", exchange_every_steps=4, warmup_steps=0)
+    session = PacingSession.start(
+        config, rank=0, world_size=1, device=device, group=None, framework="gpu_check", log_dir=out / "delay"
+    )
+    attach_paced_ddp(model, session.pacer)
+    want_ms, host_ms = 20.0, []
+    for step in range(8):
+        session.pacer._delay_ms = want_ms  # one rank has no lead to pace: force a delay directly
+        session.pacer.begin_step(step)
+        loss = model(x).square().mean()
+        started = time.perf_counter()
+        loss.backward()  # the hook spins the delay on the stream, then hands the bucket to NCCL
+        host_ms.append((time.perf_counter() - started) * 1e3)
+        session.end_step()
+    session.finish()
+    steps_ = [s for s in read_run_record(out / "delay").steps if s["valid"]]
+    delays = sorted(s["ranks"]["delay_ms"][0] for s in steps_)
+    median = delays[len(delays) // 2] if delays else 0.0
+    backward_ms = sorted(host_ms)[len(host_ms) // 2]
+    _check(
+        results,
+        "nccl_hook_delay",
+        bool(delays) and abs(median - want_ms) <= 0.1 * want_ms and backward_ms < want_ms / 2,
+        f"{want_ms:g} ms requested in the comm hook: measured {median:.2f} ms (median of {len(delays)}); "
+        f"the host's backward call took {backward_ms:.2f} ms (median)",
+    )
+    dist.destroy_process_group()
+    return results
+
+
+# ------------------------------------------------------------------------------------- FSDP streams
+SPIN_MS = 30.0  #: the inner collective's known time, spun on the side stream
+
+
+def _fsdp_streams(out: Path, steps: int) -> Result:
+    """The FSDP2 all-gather wrapper called inside ``torch.cuda.stream(side)`` as FSDP calls it, with an
+    inner collective that spins SPIN_MS there, compute overlapping it on the compute stream, and FSDP's
+    wait bracketed as the wrappers bracket ``wait_for_unshard``."""
+    import torch
+
+    from pace_strategy.core.clock import CudaEventClock
+    from pace_strategy.core.config import PacingConfig
+    from pace_strategy.core.pacer import Pacer
+    from pace_strategy.core.summary import StepSummarizer
+    from pace_strategy.hooks.fsdp import PacedAllGather
+
+    if _on_cpu():
+        return {"fsdp_stream_marks": ("FAIL", "rehearsal on CPU: no streams")}
+    device = torch.device("cuda", 0)
+    clock = CudaEventClock(device)
+    cycles = clock.calibrate()
+    pacer = Pacer(PacingConfig(mode="monitor", exchange_every_steps=4, warmup_steps=0), None, 0, 1, clock)
+
+    class Spin:
+        """An inner all-gather that takes SPIN_MS on the stream it is issued on."""
+
+        def allocate(self, size: Any, *, dtype: Any, device: Any) -> Any:
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(self, output: Any, input_: Any, group: Any, async_op: bool = False) -> None:
+            torch.cuda._sleep(int(SPIN_MS * cycles))
+
+    gather = PacedAllGather(pacer, Spin())
+    side = torch.cuda.Stream(device)
+    x = torch.randn(HEAVY_WIDTH, HEAVY_WIDTH, device=device)
+    before: list[tuple[Any, Any]] = []
+    windows = []
+    for step in range(12):
+        pacer.begin_step(step)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            gather(None, None, None)
+        a = clock.mark()
+        for _ in range(2):
+            torch.mm(x, x)  # compute on the compute stream while the side stream spins
+        b = clock.mark()
+        wait = pacer.enter_wait()
+        torch.cuda.current_stream(device).wait_stream(side)
+        pacer.exit_wait(wait)
+        torch.mm(x, x)
+        before.append((a, b))
+        result = pacer.end_step()
+        if result is not None:
+            windows.append(result)
+    windows += pacer.flush()
+    _sync()
+    summaries = [s for w in windows for s in StepSummarizer(8).summarize(w.gathered)][2:]
+    overlap = [clock.elapsed_ms(a, b) for a, b in before][2:]
+    expected = [max(SPIN_MS - o, 0.0) for o in overlap]
+    waits = [s.wait_ms[0] for s in summaries]
+    worst = max(abs(w - e) for w, e in zip(waits, expected, strict=True))
+    ok = worst <= 0.15 * SPIN_MS and min(s.compute_ms[0] for s in summaries) > 0.0
+    return {
+        "fsdp_stream_marks": (
+            "PASS" if ok else "FAIL",
+            f"{SPIN_MS:g} ms spun on the side stream, {sum(overlap) / len(overlap):.1f} ms of compute "
+            f"overlapping it: the compute stream waited {sum(waits) / len(waits):.1f} ms per step "
+            f"(expected {sum(expected) / len(expected):.1f}, worst step off by {worst:.2f} ms); compute "
+            f"{min(s.compute_ms[0] for s in summaries):.1f} ms at least (the side stream's own call would "
+            f"have read {SPIN_MS:g} ms of waiting)",
+        )
+    }
+
+
+# ------------------------------------------------------------------------------------- NCCL pair
+PAIR_MS_PER_SAMPLE = 0.25  #: rank 1's extra device time per sample (a spin in its forward)
+PAIR_STEPS = 64  #: 16 windows of 4: room for a rebalancing trial and its verdict, then pacing
+
+
+def _pair_rank(rank: int, world: int, out: str, steps: int) -> None:
+    """One of two processes on cuda:0: DDP on its own one-rank NCCL group (NCCL refuses two ranks of one
+    communicator on one GPU), the pacing side group and the watchdog on the gloo world group."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    import pace_strategy
+
+    device = _device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.FileStore(os.path.join(out, "pair_store"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=90))
+    own = [dist.new_group([r], backend=_backend()) for r in range(world)][rank]  # every rank makes each
+    net = _heavy_net(device)
+    width = net[0].in_features
+    cycles = None
+    if device.type == "cuda":
+        from pace_strategy.core.clock import CudaEventClock
+
+        cycles = CudaEventClock(device).calibrate()
+
+    class SlowPerSample(torch.nn.Module):
+        def forward(self, x: Any) -> Any:
+            if rank == 1:
+                ms = PAIR_MS_PER_SAMPLE * len(x)
+                if cycles is not None:
+                    torch.cuda._sleep(int(ms * cycles))  # device time, as a slower GPU would take
+                else:
+                    time.sleep(ms / 1e3)
+            return x
+
+    model = DDP(
+        torch.nn.Sequential(SlowPerSample(), net),
+        process_group=own,
+        device_ids=None if cycles is None else [0],
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    data = TensorDataset(torch.randn(steps * 64 * world, width))
+    loader = DataLoader(data, batch_size=64, sampler=DistributedSampler(data, shuffle=False))
+    pacing = {
+        "mode": "adaptive",  # unpaced windows first: rebalancing's A/B baseline, then pacing may start
+        "activate_windows": 1,
+        "exchange_every_steps": 4,
+        "warmup_steps": 2,
+        "rebalance": True,
+        "rebalance_persist_windows": 1,
+        "max_delay_step_fraction": 0.5,
+    }
+    with pace_strategy.attach(model, pacing=pacing, run_dir=Path(out) / "record") as pace:
+        for (x,) in pace.dataloader(loader):
+            pace.begin_step()
+            model(x.to(device)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            pace.end_step(samples=len(x))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _nccl_pair(out: Path, steps: int) -> Result:
+    import torch.multiprocessing as mp
+
+    from pace_strategy.telemetry.run_record import read_run_record
+
+    steps = max(steps, PAIR_STEPS)
+    mp.start_processes(_pair_rank, args=(2, str(out), steps), nprocs=2, start_method="spawn")
+    record = read_run_record(out / "record")
+    timed = [s for s in record.steps if s["valid"] and not s["warmup"]]
+    named = sum(s["straggler_rank"] == 1 for s in timed)
+    delays = [d for d in record.decisions if d.get("state") != "monitor" or any(d.get("delays_ms", []))]
+    shares = [s for s in record.shares if s.get("state") == "trial"]
+    results: Result = {}
+    _check(
+        results,
+        "nccl_pair_straggler",
+        record.end is not None
+        and record.end["status"] == "completed"
+        and timed
+        and named >= 0.8 * len(timed),
+        f"2 processes on {record.header['topology'][0]['device']}, DDP on one-rank "
+        f"{'gloo' if _on_cpu() else 'NCCL'} groups: rank 1 named in {named} of {len(timed)} timed steps; "
+        f"end {(record.end or {}).get('status')}",
+    )
+    _check(
+        results,
+        "nccl_pair_decisions",
+        bool(delays) and bool(shares),
+        f"pacing: {len(delays)} windows out of monitoring (delays up to "
+        f"{max((max(d['delays_ms']) for d in delays), default=0.0):.2f} ms); rebalancing: "
+        + (f"trial {shares[0]['samples']} ({shares[0]['reason'][:80]})" if shares else "no trial"),
+    )
+    return results
+
+
+# ------------------------------------------------------------------------------------- several GPUs
+def _multi_rank(rank: int, world: int, out: str, steps: int) -> None:
+    """One of N ranks, one GPU each, NCCL: plain DDP, then paced in each monitor mode, then FSDP2."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import pace_strategy
+
+    device = torch.device("cpu") if _on_cpu() else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.FileStore(os.path.join(out, "multi_store"), world)
+    dist.init_process_group(
+        _backend(), store=store, rank=rank, world_size=world, timeout=timedelta(seconds=90)
+    )
+    width = REHEARSAL_WIDTH if _on_cpu() else 1024
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(32, width, generator=g).to(device) for _ in range(steps)]
+    weights, records = {}, {}
+    for arm in ("plain", "grad_ready", "comm_hook", "fsdp"):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(3)]).to(device)
+        if arm == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in net:
+                fully_shard(layer)
+            model: Any = fully_shard(net)
+        else:
+            model = DDP(net, device_ids=None if device.type == "cpu" else [rank])
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        pacing = {"mode": "forced", "ddp_monitor": "comm_hook" if arm == "comm_hook" else "grad_ready"}
+        pacing.update(exchange_every_steps=4, warmup_steps=1)
+        pace = None if arm == "plain" else pace_strategy.attach(model, pacing=pacing, run_dir=Path(out) / arm)
+        for x in batches:
+            if pace is not None:
+                pace.begin_step()
+            if rank == world - 1:
+                time.sleep(0.005)  # a late rank: the others lead and are delayed
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if pace is not None:
+                pace.end_step(samples=len(x))
+        if pace is not None:
+            pace.finish()
+            records[arm] = str(Path(out) / arm)
+        if arm != "fsdp":
+            weights[arm] = {k: v.detach().cpu() for k, v in model.module.state_dict().items()}
+    if rank == 0:
+        torch.save({"weights": weights, "records": records, "world": world}, os.path.join(out, "multi.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _multi_gpu(out: Path, steps: int) -> Result:
+    import torch
+    import torch.multiprocessing as mp
+
+    from pace_strategy.telemetry.run_record import read_run_record
+
+    count = 3 if _on_cpu() else torch.cuda.device_count()
+    if count < 2:
+        return {"multi_gpu_parity": ("SKIP", f"{count} GPU visible: an N-rank NCCL job needs 2 or more")}
+    world = min(count, 3)  # 3 where there are 3: a world size that is not a power of two
+    mp.start_processes(_multi_rank, args=(world, str(out), steps), nprocs=world, start_method="spawn")
+    saved = torch.load(out / "multi.pt")
+    plain = saved["weights"]["plain"]
+    differ = {
+        arm: [k for k in plain if not torch.equal(plain[k], w[k])]
+        for arm, w in saved["weights"].items()
+        if arm != "plain"
+    }
+    timed = {}
+    delayed = {}
+    for arm, path in saved["records"].items():
+        record = read_run_record(path)
+        steps_ = [s for s in record.steps if s["valid"] and not s["warmup"]]
+        timed[arm] = len(steps_)
+        delayed[arm] = max((s["delay_ms_max"] or 0.0 for s in steps_), default=0.0)
+    ok = (
+        not any(differ.values()) and all(n >= steps - 6 for n in timed.values()) and delayed["grad_ready"] > 0
+    )
+    return {
+        "multi_gpu_parity": (
+            "PASS" if ok else "FAIL",
+            f"{world} ranks over {_backend()}: DDP paced vs plain "
+            + ", ".join(
+                f"{arm} {'bit-identical' if not d else 'differs in ' + str(d)}" for arm, d in differ.items()
+            )
+            + "; timed steps "
+            + ", ".join(f"{arm} {n} (delay up to {delayed[arm]:.2f} ms)" for arm, n in timed.items()),
+        )
+    }
+
+
 JOBS: dict[str, Callable[[Path, int], Result]] = {
     "lightning_ddp": lambda out, steps: _lightning("paced_ddp", out, steps),
     "lightning_fsdp": lambda out, steps: _lightning("paced_fsdp", out, steps),
     "device_delay": _device_delay,
     "shutdown": _shutdown,
     "gloo_ranks": _gloo_ranks,
+    "nccl_ddp": _nccl_ddp,
+    "fsdp_streams": _fsdp_streams,
+    "nccl_pair": _nccl_pair,
+    "multi_gpu": _multi_gpu,
 }
 
 

@@ -19,7 +19,7 @@ from pace_strategy.diagnose.rank_checks import (
     locality,
     persistent_or_late_start,
 )
-from pace_strategy.diagnose.rebalance import rebalance_outcome
+from pace_strategy.diagnose.rebalance import RebalanceOutcome, rebalance_outcome
 from pace_strategy.diagnose.result import MODES, Diagnosis, Finding, Mode, pct, projection_text
 from pace_strategy.diagnose.run_stats import (
     EPSILON,
@@ -53,6 +53,27 @@ def _restart_notes(a: RunArrays) -> list[str]:
             f"after {attempt.get('steps', 0)} recorded steps{error}{hangs}"
         )
     return notes
+
+
+def _at_the_kept_split(
+    a: RunArrays, rebalanced: RebalanceOutcome, cfg: DiagnosisConfig, notes: list[str]
+) -> RunArrays:
+    """A rebalanced run is diagnosed at the split it kept: the steps before it hold the imbalance the
+    split removed (the rebalanced note says what it cost and what was recovered), and read together
+    with the rest they mix two different runs (a slow rank before, the remainder of whole quanta
+    after), which no single finding explains. Whole records stay whole when too few steps follow."""
+    start = rebalanced.from_step
+    if rebalanced.samples is None or start is None:
+        return a
+    keep = a.step >= start
+    kept = int(keep.sum())
+    if kept == a.steps or kept < cfg.min_steps:
+        return a
+    notes.append(
+        f"diagnosed at the kept split: the {kept:,} usable steps from step {start} on; the "
+        f"{a.steps - kept:,} before it are the imbalance the split removed (the rebalanced note)"
+    )
+    return a.select(keep)
 
 
 def diagnose(
@@ -93,6 +114,10 @@ def diagnose(
     if a.hangs:
         notes += hang_evidence_notes(a.path)
     notes += _restart_notes(a)
+    rebalanced = rebalance_outcome(a)
+    if rebalanced is not None:
+        notes.append(rebalanced.text())
+        a = _at_the_kept_split(a, rebalanced, cfg, notes)
     if a.steps < cfg.min_steps or a.world_size < MIN_RANKS:
         return Diagnosis(
             findings=[],
@@ -128,9 +153,7 @@ def diagnose(
             newly &= {r for f in found if run.worth_acting_on(f) for r in f.ranks}
         explained |= newly
     notes += run.notes
-    rebalanced = rebalance_outcome(a)
     if rebalanced is not None:
-        notes.append(rebalanced.text())
         for f in findings:
             if f.mode is Mode.PERSISTENT_STRAGGLER:
                 f.details["rebalanced"] = rebalanced.to_dict()

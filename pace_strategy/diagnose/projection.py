@@ -65,9 +65,7 @@ class Projection:
 def _subsample(a: RunArrays, rows: int) -> RunArrays:
     if a.steps <= rows:
         return a
-    keep = np.sort(np.random.default_rng(_SEED).choice(a.steps, size=rows, replace=False))
-    per_step = ("step", "wait", "compute", "delay", "data", "gap", "rank_step", "step_ms", "pacing_active")
-    return dataclasses.replace(a, **{name: getattr(a, name)[keep] for name in per_step})
+    return a.select(np.sort(np.random.default_rng(_SEED).choice(a.steps, size=rows, replace=False)))
 
 
 def project(

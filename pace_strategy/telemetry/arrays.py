@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,16 @@ class RunArrays:
     @property
     def world_size(self) -> int:
         return int(self.header["world_size"])
+
+    def select(self, keep: np.ndarray) -> RunArrays:
+        """The same run restricted to the steps where ``keep`` (``[S]`` bool, or step indices) holds:
+        every per-step array, the optional ones included; the record's lines stay whole."""
+        per_step = {
+            f.name: getattr(self, f.name)[keep]
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), np.ndarray)
+        }
+        return dataclasses.replace(self, **per_step)
 
     @property
     def steps(self) -> int:

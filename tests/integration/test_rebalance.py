@@ -231,7 +231,8 @@ def test_rebalance_off_is_bit_identical_to_plain_ddp(run):
 
 def test_slow_device_demo_names_the_straggler_and_moves_samples_off_it(run):
     output = (run / "demo.out").read_text()
-    assert "straggler             rank 1 in" in output  # the summary names it
+    # named while it trains; once the split moves samples off it, the summary's straggler may be either
+    assert "rank 1 is a persistent straggler" in output
     assert "rebalancing (per-rank samples per step, as trained):" in output and "samples/s" in output
     record = read_run_record(only_version_dir(run, "slow-device"))
     phases = share_phases(record.steps)

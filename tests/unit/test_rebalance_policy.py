@@ -486,12 +486,18 @@ def test_every_share_change_is_in_the_run_record_with_its_reason(recorded):
 
 @pytest.mark.timeout(60)
 def test_diagnosis_reports_the_split_and_the_recovered_time(recorded):
-    result = diagnose(load_arrays(recorded["rebalanced"][0]), project_ranks=None)
+    arrays = load_arrays(recorded["rebalanced"][0])
+    result = diagnose(arrays, project_ranks=None)
     note = next(n for n in result.notes if n.startswith("rebalanced:"))
     assert "[40, 24] samples per rank per step from step 32 (was [32, 32])" in note
     outcome = result.stats["rebalance"]
     assert outcome["samples"] == [40, 24] and outcome["recovered_fraction"] > 0.15
     assert outcome["before_ms"] > outcome["after_ms"]
+    # the findings are read at the kept split: the steps before it are what the split removed
+    after = int((arrays.step >= 32).sum())
+    assert 0 < after < arrays.steps and result.stats["steps"] == after
+    notes = "\n".join(result.notes)
+    assert f"diagnosed at the kept split: the {after:,} usable steps from step 32 on" in notes
 
 
 @pytest.mark.timeout(60)
