@@ -48,6 +48,7 @@ from pace_strategy.core.pacer import Pacer, WindowResult
 from pace_strategy.core.state import STATE_VERSION, PacingStateError, StatefulComponent, check_state
 from pace_strategy.core.summary import StepSummarizer
 from pace_strategy.core.watchdog import HANG_EXIT_CODE, HangReport, HangWatchdog, job_store
+from pace_strategy.telemetry.record_lines import HangLine, ResumeLine
 from pace_strategy.telemetry.run_record import RunRecordWriter, record_filename
 from pace_strategy.telemetry.schema import dashboard_layout, step_metrics
 from pace_strategy.telemetry.topology import elastic_restart_count, local_placement
@@ -214,7 +215,7 @@ class PacingSession:
         #: what state_dict() saves, by name (the extension point: see register_state)
         self._state_components: dict[str, StatefulComponent] = {"pacer": self.pacer}
         self._unclaimed_state: dict[str, Any] = {}  # restored states whose component is not registered yet
-        self._resume_line: dict[str, Any] | None = None  #: the record's ``resume`` line, once restored
+        self._resume_line: ResumeLine | None = None  #: the record's ``resume`` line, once restored
         self._dataloader_workers: int | None = None
         self._workers_shared = False
         _OPEN.add(self)
@@ -410,15 +411,9 @@ class PacingSession:
         saved_step = state.get("step") if isinstance(state, Mapping) else None
         # One resume line per record: a second restore before the first write replaces the first.
         first = self._resume_line is None or (self.record is not None and self.record.created)
-        line = {} if self._resume_line is None else self._resume_line
-        line.clear()
-        line.update(
-            record="resume",
-            step=saved_step if type(saved_step) is int else (-1 if step is None else step),
-            restored=restored,
-        )
-        line["from"] = source
-        line["skipped"] = skipped
+        line = self._resume_line or ResumeLine(step=-1, restored=[], from_=None)
+        line.step = saved_step if type(saved_step) is int else (-1 if step is None else step)
+        line.restored, line.from_, line.skipped = restored, source, skipped
         self._resume_line = line
         try:
             s = check_state(state, "the checkpoint's pace_strategy state", {"step": int, "components": dict})
@@ -437,7 +432,7 @@ class PacingSession:
         if self.rank == 0:
             log.info(
                 "pace_strategy: resumed at step %d from %s; restored: %s",
-                line["step"],
+                line.step,
                 source or "a checkpoint",
                 ", ".join(restored) or "nothing (no pace_strategy state in it)",
             )
@@ -449,10 +444,10 @@ class PacingSession:
         try:
             self._state_components[name].load_state_dict(state)
         except PacingStateError as error:
-            line["skipped"][name] = str(error)
+            line.skipped[name] = str(error)
             log.warning("pace_strategy: %s not restored: %s", name, error)
         else:
-            line["restored"].append(name)
+            line.restored.append(name)
 
     # ------------------------------------------------------------------ ending a run
     def terminate(self, reason: str = "SIGTERM") -> None:
@@ -540,13 +535,18 @@ class PacingSession:
 
     def _hang_line(self, report: HangReport) -> dict[str, Any]:
         """The run record's ``hang`` line: the report, plus each named rank's process and GPU."""
-        line = report.line(self.config.hang_action)
         named = [self.topology[r] if 0 <= r < len(self.topology) else {} for r in report.ranks]
-        line["pids"] = [p.get("pid") for p in named]
-        line["gpus"] = [
-            p.get("gpu_uuid") or (p.get("device") if p.get("device") != "cpu" else None) for p in named
-        ]
-        return line
+        gpus = [p.get("gpu_uuid") or (p.get("device") if p.get("device") != "cpu" else None) for p in named]
+        return HangLine(
+            ranks=list(report.ranks),
+            step=report.step,
+            waited_s=round(report.waited_s, 3),
+            hosts=list(report.hosts),
+            behind=list(report.behind),
+            stale=list(report.stale),
+            action=self.config.hang_action,
+            extra={"pids": [p.get("pid") for p in named], "gpus": gpus},
+        ).to_json()
 
     def _hang_evidence(
         self, watchdog: HangWatchdog, report: HangReport, line: Mapping[str, Any]

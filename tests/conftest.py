@@ -15,6 +15,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import lightning.pytorch  # noqa: F401
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _tags_of_every_window():
+    """In-process tests produce windows far faster than training does (thread ranks on a manual
+    clock: twelve windows in milliseconds), so the telemetry thread's backlog bound, which drops the
+    tags of windows a writer is truly behind on, would drop them by the load of the machine. Tests
+    that check the tags get every window; the bound itself is tested with its own value."""
+    import pace_strategy.session
+
+    with pytest.MonkeyPatch.context() as patch:  # session-wide: module fixtures record runs too
+        patch.setattr(pace_strategy.session, "MAX_TAG_BACKLOG_WINDOWS", 10**6)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _no_leaks():
     import torch.distributed as dist

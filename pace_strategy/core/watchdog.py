@@ -154,19 +154,6 @@ class HangReport:
         """The log lines: ``[rank r/N] pace_strategy: `` and a sentence."""
         return [f"[rank {rank}/{world_size}] pace_strategy: {s}" for s in self.sentences()]
 
-    def line(self, action: str) -> dict[str, Any]:
-        """The run record's ``hang`` line."""
-        return {
-            "record": "hang",
-            "ranks": list(self.ranks),
-            "step": self.step,
-            "waited_s": round(self.waited_s, 3),
-            "hosts": list(self.hosts),
-            "behind": list(self.behind),
-            "stale": list(self.stale),
-            "action": action,
-        }
-
 
 def hang_verdict(
     entries: Mapping[int, RankProgress | None],

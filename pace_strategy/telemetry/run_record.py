@@ -1,4 +1,4 @@
-"""The run record: rank 0's full per-rank, per-step JSON-lines file for offline diagnosis (schema v1).
+"""The run record: rank 0's full per-rank, per-step JSON-lines file for offline diagnosis.
 
 Lines, in order: one ``header`` (schema, world size, config, topology), then ``step`` and ``decision``
 lines as windows arrive (and a ``hang`` line where the hang watchdog named ranks, a ``shares`` line
@@ -7,7 +7,8 @@ a ``resume`` line right after the header, a preempted one ``local_step`` lines b
 Each window is flushed to disk, so a crash loses at most the window in flight; a reader tolerates a
 truncated last line. The file (and its directory) is
 created at the first write, not when the writer is built: a run that writes nothing leaves nothing.
-See docs/telemetry.md.
+Each kind of line is one typed class (:mod:`pace_strategy.telemetry.record_lines`): the writers build
+them, and the reader's checks come from the same classes. See docs/telemetry.md.
 """
 
 from __future__ import annotations
@@ -28,6 +29,19 @@ from typing import IO, TYPE_CHECKING, Any
 
 from pace_strategy.core.glossary import coefficient_of_variation
 from pace_strategy.core.records import Decision, Field, StepSummary
+from pace_strategy.telemetry.record_lines import (
+    LINE_KINDS,
+    DecisionLine,
+    EndLine,
+    HeaderLine,
+    Line,
+    LocalStepLine,
+    RankColumns,
+    SharesLine,
+    StepLine,
+    as_mapping,
+    json_fields,
+)
 
 if TYPE_CHECKING:  # the reader (pace diagnose) does not import torch
     from pace_strategy.core.rebalance import RebalanceDecision
@@ -99,102 +113,91 @@ def _cleans(values: Iterable[float]) -> list[float | None]:
     return [_clean(v) for v in values]
 
 
-def step_line(s: StepSummary) -> dict[str, Any]:
-    """The JSON object written for one step (the later per-rank fields only where the summary has them)."""
-    line: dict[str, Any] = {
-        "record": "step",
-        "step": s.step,
-        "valid": s.valid,
-        "warmup": s.warmup,
-        "skew_ms": _clean(s.skew_ms),
-        "straggler_rank": s.straggler_rank,
-        "compute_straggler_rank": s.compute_straggler_rank,
-        "step_ms": _clean(s.step_ms),
-        "step_cv": _clean(s.step_cv),
-        "wait_ms_min": _clean(s.wait_ms_min),
-        "wait_ms_max": _clean(s.wait_ms_max),
-        "delay_ms_max": _clean(s.delay_ms_max),
-        "pacing_active": s.pacing_active,
-        "buckets": s.buckets,
-        "ranks": {
-            "lead_ms": _cleans(s.lead_ms),
-            "compute_ms": _cleans(s.compute_ms),
-            "wait_ms": _cleans(s.wait_ms),
-            "delay_ms": _cleans(s.delay_ms),
-            "step_ms": _cleans(s.rank_step_ms),
-            "data_ms": _cleans(s.data_ms),
-            "gap_ms": _cleans(s.gap_ms),
-        },
-    }
-    optional = {
-        "gc_ms": _cleans(s.gc_ms),
-        "gc_collections": list(s.gc_collections),
-        "samples": list(s.samples),
-        "opt_ms": _cleans(s.opt_ms),
-    }
-    line["ranks"].update((key, values) for key, values in optional.items() if values)
-    if s.host_bound and not all(s.host_bound):
-        # sparse: only where some rank's device was still behind its host (never on CPU); a step
-        # without the field had every rank host-bound
-        line["ranks"]["host_bound"] = list(s.host_bound)
-    return line
+def step_line(s: StepSummary) -> StepLine:
+    """The line written for one step (the later per-rank columns only where the summary has them)."""
+    return StepLine(
+        step=s.step,
+        valid=s.valid,
+        warmup=s.warmup,
+        skew_ms=_clean(s.skew_ms),
+        straggler_rank=s.straggler_rank,
+        compute_straggler_rank=s.compute_straggler_rank,
+        step_ms=_clean(s.step_ms),
+        step_cv=_clean(s.step_cv),
+        wait_ms_min=_clean(s.wait_ms_min),
+        wait_ms_max=_clean(s.wait_ms_max),
+        delay_ms_max=_clean(s.delay_ms_max),
+        pacing_active=s.pacing_active,
+        buckets=s.buckets,
+        ranks=RankColumns(
+            lead_ms=_cleans(s.lead_ms),
+            compute_ms=_cleans(s.compute_ms),
+            wait_ms=_cleans(s.wait_ms),
+            delay_ms=_cleans(s.delay_ms),
+            step_ms=_cleans(s.rank_step_ms),
+            data_ms=_cleans(s.data_ms),
+            gap_ms=_cleans(s.gap_ms),
+            gc_ms=_cleans(s.gc_ms) or None,
+            gc_collections=list(s.gc_collections) or None,
+            samples=list(s.samples) or None,
+            opt_ms=_cleans(s.opt_ms) or None,
+            # sparse: only where some rank's device was still behind its host (never on CPU); a
+            # step without the column had every rank host-bound
+            host_bound=list(s.host_bound) if s.host_bound and not all(s.host_bound) else None,
+        ),
+    )
 
 
 #: the exchanged row's columns that a ``local_step`` line names (every column but the three below)
 _LOCAL_COLUMNS = tuple(f for f in Field if f not in (Field.STEP, Field.VALID, Field.WARMUP))
 
 
-def local_step_line(rank: int, row: Sequence[float]) -> dict[str, Any]:
-    """The JSON object for one step that only ``rank`` measured: the run ended (preempted) before
-    the step was exchanged, so the other ranks' numbers are not known. Columns as the ``ranks``
-    lists of a ``step`` line, named after :class:`~pace_strategy.core.records.Field`."""
-    line: dict[str, Any] = {
-        "record": "local_step",
-        "rank": rank,
-        "step": int(row[Field.STEP]),
-        "valid": bool(row[Field.VALID]),
-        "warmup": bool(row[Field.WARMUP]),
-    }
-    line.update((f.name.lower(), _clean(row[f])) for f in _LOCAL_COLUMNS)
-    return line
+def local_step_line(rank: int, row: Sequence[float]) -> LocalStepLine:
+    """The line for one step that only ``rank`` measured: the run ended (preempted) before the step
+    was exchanged, so the other ranks' numbers are not known. Columns as the ``ranks`` lists of a
+    ``step`` line, named after :class:`~pace_strategy.core.records.Field`."""
+    columns = {f.name.lower(): _clean(row[f]) for f in _LOCAL_COLUMNS}
+    return LocalStepLine(
+        rank=rank,
+        step=int(row[Field.STEP]),
+        valid=bool(row[Field.VALID]),
+        warmup=bool(row[Field.WARMUP]),
+        step_ms=columns.pop("step_ms"),
+        columns=columns,
+    )
 
 
-def decision_line(d: Decision, after_step: int) -> dict[str, Any]:
-    """The JSON object written for one controller decision (``gc_collect`` only when gc_sync decided one)."""
-    line = {
-        "record": "decision",
-        "window": d.window,
-        "after_step": after_step,
-        "state": d.state.value,
-        "pacing_active": d.pacing_active,
-        "delays_ms": list(d.delays_ms),
-        "reason": d.reason,
-        "baseline_step_ms": d.baseline_step_ms,
-        "paced_step_ms": d.paced_step_ms,
-    }
-    if d.gc_collect is not None:
-        line["gc_collect"] = {
-            "after_step": d.gc_collect.after_step,
-            "due": [round(v, 3) for v in d.gc_collect.due],
-        }
-    return line
+def decision_line(d: Decision, after_step: int) -> DecisionLine:
+    """The line written for one controller decision (``gc_collect`` only when gc_sync decided one)."""
+    return DecisionLine(
+        window=d.window,
+        after_step=after_step,
+        state=d.state.value,
+        pacing_active=d.pacing_active,
+        delays_ms=list(d.delays_ms),
+        reason=d.reason,
+        baseline_step_ms=d.baseline_step_ms,
+        paced_step_ms=d.paced_step_ms,
+        gc_collect=None
+        if d.gc_collect is None
+        else {"after_step": d.gc_collect.after_step, "due": [round(v, 3) for v in d.gc_collect.due]},
+    )
 
 
-def shares_line(d: RebalanceDecision, after_step: int) -> dict[str, Any]:
-    """The JSON object written when the rebalancing controller changes state or split: ``samples`` is
-    the split (per-rank samples per step) in effect or, with ``from_step``, scheduled from that step."""
-    return {
-        "record": "shares",
-        "window": d.window,
-        "after_step": after_step,
-        "state": d.state.value,
-        "samples": list(d.shares),
-        "from_step": d.from_step,
-        "reason": d.reason,
-        "baseline_step_ms": d.baseline_step_ms,
-        "trial_step_ms": d.trial_step_ms,
-        "per_sample_ms": _cleans(d.per_sample_ms),
-    }
+def shares_line(d: RebalanceDecision, after_step: int) -> SharesLine:
+    """The line written when the rebalancing controller changes state or split: ``samples`` is the
+    split (per-rank samples per step) in effect or, with ``from_step``, scheduled from that step."""
+    return SharesLine(
+        window=d.window,
+        after_step=after_step,
+        state=d.state.value,
+        samples=list(d.shares),
+        from_step=d.from_step,
+        reason=d.reason,
+        baseline_step_ms=d.baseline_step_ms,
+        trial_step_ms=d.trial_step_ms,
+        per_sample_ms=_cleans(d.per_sample_ms),
+    )
 
 
 class RunRecordWriter:
@@ -221,26 +224,24 @@ class RunRecordWriter:
         self.steps_written = 0
         self.local_steps_written = 0  #: ``local_step`` lines (a preempted run's unexchanged steps)
         #: lines that go right after the header (a resumed run's ``resume`` line), however late they come
-        self._after_header: list[Mapping[str, Any]] = []
-        header = {
-            "record": "header",
-            "schema": SCHEMA,
-            "version": SCHEMA_VERSION,
-            "created_unix": time.time(),
-            "framework": framework,
-            "world_size": world_size,
-            "config": dict(config),
-            "topology": [dict(t) for t in topology],
-        }
-        if extra:
-            header.update(extra)
-        self._header: dict[str, Any] | None = header  #: written with the first lines
+        self._after_header: list[Line | Mapping[str, Any]] = []
+        #: written with the first lines
+        self._header: HeaderLine | None = HeaderLine(
+            schema=SCHEMA,
+            version=SCHEMA_VERSION,
+            created_unix=time.time(),
+            framework=framework,
+            world_size=world_size,
+            config=dict(config),
+            topology=[dict(t) for t in topology],
+            extra=dict(extra or {}),
+        )
 
     def update_topology(self, topology: Sequence[Mapping[str, Any]]) -> None:
         """Replace the header's placements (only before the file is created: a header once written
         is not rewritten)."""
         if self._header is not None:
-            self._header["topology"] = [dict(t) for t in topology]
+            self._header.topology = [dict(t) for t in topology]
 
     @property
     def created(self) -> bool:
@@ -255,9 +256,10 @@ class RunRecordWriter:
     ) -> None:
         """Append a window's step lines, its decision line and, when the rebalancing controller changed
         state or split, a ``shares`` line."""
-        lines = [step_line(s) for s in summaries]
-        self.steps_written += len(lines)
-        last = lines[-1]["step"] if lines else -1
+        steps = [step_line(s) for s in summaries]
+        self.steps_written += len(steps)
+        last = steps[-1].step if steps else -1
+        lines: list[Line] = list(steps)
         if decision is not None:
             lines.append(decision_line(decision, last))
         if rebalance is not None and rebalance.changed:
@@ -282,17 +284,20 @@ class RunRecordWriter:
         self._closed = True
         if not self.created and not create:
             return
-        end = {"record": "end", "status": status, "error": error, "steps": self.steps_written}
-        if self.local_steps_written:
-            end["local_steps"] = self.local_steps_written
-        end.update(extra or {})
+        end = EndLine(
+            status=status,
+            steps=self.steps_written,
+            error=error,
+            local_steps=self.local_steps_written or None,
+            extra=dict(extra or {}),
+        )
         self._write([end], closing=True)
         with self._lock:
             if self._file is not None:
                 self._file.close()
                 self._file = None
 
-    def add_after_header(self, obj: Mapping[str, Any]) -> None:
+    def add_after_header(self, obj: Line | Mapping[str, Any]) -> None:
         """A line that belongs right after the header (the ``resume`` line): kept, and serialized at
         the first write, until the file exists (so a run that writes nothing still leaves nothing);
         appended at once after that."""
@@ -304,21 +309,21 @@ class RunRecordWriter:
 
     def write_local_steps(self, rank: int, rows: Iterable[Sequence[float]]) -> None:
         """Append one ``local_step`` line per row (steps ``rank`` measured but never exchanged)."""
-        lines = [local_step_line(rank, row) for row in rows]
+        lines: list[Line] = [local_step_line(rank, row) for row in rows]
         self.local_steps_written += len(lines)
         self._write(lines)
 
-    def write_line(self, obj: Mapping[str, Any]) -> None:
+    def write_line(self, obj: Line | Mapping[str, Any]) -> None:
         """Append one line of another kind (a ``hang`` line); ignored once the record is closed."""
         with self._lock:
             if not self._closed:
                 self._write_locked([obj], closing=False)
 
-    def _write(self, objs: Iterable[Mapping[str, Any]], *, closing: bool = False) -> None:
+    def _write(self, objs: Iterable[Line | Mapping[str, Any]], *, closing: bool = False) -> None:
         with self._lock:
             self._write_locked(objs, closing=closing)
 
-    def _write_locked(self, objs: Iterable[Mapping[str, Any]], *, closing: bool) -> None:
+    def _write_locked(self, objs: Iterable[Line | Mapping[str, Any]], *, closing: bool) -> None:
         if self._closed and not closing:
             raise RuntimeError(f"run record {self.path} is already closed")
         if self._header is not None:
@@ -328,7 +333,8 @@ class RunRecordWriter:
             self._header = None
             self._after_header = []
         assert self._file is not None, "the file is open from the first write to close"
-        self._file.write("".join(json.dumps(o, separators=(",", ":")) + "\n" for o in objs))
+        # serialized now, not when handed over: a resume line is filled in place until it is written
+        self._file.write("".join(json.dumps(as_mapping(o), separators=(",", ":")) + "\n" for o in objs))
         self._file.flush()
 
 
@@ -493,52 +499,13 @@ def _are_numbers(values: Sequence[Any]) -> bool:
     )
 
 
-#: the fields that readers use in each kind of line (``summarize``, ``pace diagnose``), and their JSON types
-_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
-    "step": {
-        "step": _INT,
-        "valid": _BOOL,
-        "warmup": _BOOL,
-        "skew_ms": _NUMBER,
-        "straggler_rank": _INT,
-        "compute_straggler_rank": _INT,
-        "step_ms": _NUMBER,
-        "step_cv": _NUMBER,
-        "wait_ms_min": _NUMBER,
-        "wait_ms_max": _NUMBER,
-        "delay_ms_max": _NUMBER,
-        "pacing_active": _BOOL,
-        "buckets": _INT,
-        "ranks": (dict,),
-    },
-    "decision": {
-        "window": _INT,
-        "after_step": _INT,
-        "state": _STR,
-        "pacing_active": _BOOL,
-        "delays_ms": (list,),
-        "reason": _STR,
-        "baseline_step_ms": _NUMBER,
-        "paced_step_ms": _NUMBER,
-    },
-    "end": {"status": _STR, "steps": _INT},
-    "hang": {"ranks": (list,), "step": _INT, "waited_s": _NUMBER, "hosts": (list,)},
-    "resume": {"step": _INT, "restored": (list,), "from": (str, type(None))},
-    "local_step": {"rank": _INT, "step": _INT, "valid": _BOOL, "warmup": _BOOL, "step_ms": _NUMBER},
-    "shares": {
-        "window": _INT,
-        "after_step": _INT,
-        "state": _STR,
-        "samples": (list,),
-        "from_step": (int, type(None)),
-        "reason": _STR,
-        "baseline_step_ms": _NUMBER,
-        "trial_step_ms": _NUMBER,
-    },
-}
-_RANK_FIELDS = ("lead_ms", "compute_ms", "wait_ms", "delay_ms", "step_ms", "data_ms", "gap_ms")
+#: per kind of line (but the header, checked apart): the fields every line must have and the ones a
+#: later version added (checked where present), with their JSON types, from the line classes
+_FIELDS = {kind: json_fields(cls) for kind, cls in LINE_KINDS.items() if kind != "header"}
+_REQUIRED_RANK, _ADDED_RANK = json_fields(RankColumns)
+_RANK_FIELDS = tuple(_REQUIRED_RANK)
 #: per-rank step fields added in later versions: checked when present (older records lack them)
-_OPTIONAL_RANK_FIELDS = ("gc_ms", "gc_collections", "samples", "opt_ms", "host_bound")
+_OPTIONAL_RANK_FIELDS = tuple(_ADDED_RANK)
 _TYPE_WORDS = {int: "an integer", bool: "true or false", str: "a string", dict: "an object", list: "a list"}
 
 
@@ -549,13 +516,24 @@ def _bad_line(p: Path, number: int, problem: str) -> RunRecordError:
     )
 
 
-def _check_fields(p: Path, number: int, obj: dict[str, Any], fields: Mapping[str, tuple[type, ...]]) -> None:
-    for key, types in fields.items():
+def _check_fields(
+    p: Path,
+    number: int,
+    obj: dict[str, Any],
+    fields: tuple[Mapping[str, tuple[type, ...]], Mapping[str, tuple[type, ...]]],
+) -> None:
+    required, added = fields
+    for key, types in (*required.items(), *((k, t) for k, t in added.items() if k in obj)):
         if key not in obj:
             raise _bad_line(p, number, f"{obj['record']} has no {key!r} field")
         # exact types: JSON gives only these, and a bool is not a count
-        if type(obj[key]) not in types or (types is _NUMBER and not _are_numbers((obj[key],))):
-            expected = "a number or null" if types is _NUMBER else _TYPE_WORDS[types[0]]
+        number_ = float in types
+        if type(obj[key]) not in types or (number_ and not _are_numbers((obj[key],))):
+            expected = (
+                ("a number or null" if type(None) in types else "a number")
+                if number_
+                else " or ".join(_TYPE_WORDS.get(t, "null") for t in types)
+            )
             raise _bad_line(p, number, f"{obj['record']} field {key!r}={obj[key]!r} is not {expected}")
 
 

@@ -53,3 +53,67 @@ def test_bad_records_fail_clearly(tmp_path, content):
 def test_missing_record(tmp_path):
     with pytest.raises(RunRecordError, match="no run record"):
         read_run_record(tmp_path)
+
+
+# --- one typed class per kind of line: the writer builds them, the reader checks against them ---
+
+
+def _lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_every_written_line_is_one_of_the_typed_kinds_with_every_field_it_declares(tmp_path):
+    import dataclasses
+
+    from pace_strategy.telemetry.record_lines import LINE_KINDS, json_fields
+
+    path = tmp_path / "pace_run.jsonl"
+    write(path).close("failed", "boom", extra={"unresolved_steps_dropped": 2})
+    lines = _lines(path)
+    assert [line["record"] for line in lines] == ["header", "step", "step", "step", "step", "decision", "end"]
+    for line in lines[1:]:
+        required, added = json_fields(LINE_KINDS[line["record"]])
+        declared = {**required, **{k: t for k, t in added.items() if k in line}}
+        assert set(required) <= set(line) and all(type(line[k]) in t for k, t in declared.items()), line
+    end = lines[-1]
+    assert end == {
+        "record": "end",
+        "status": "failed",
+        "steps": 4,
+        "error": "boom",
+        "unresolved_steps_dropped": 2,
+    }
+    assert "local_steps" not in end  # an omitted field while it is None
+    assert "host_bound" not in lines[1]["ranks"]  # every rank host-bound: the sparse column is left out
+    assert {f.name for f in dataclasses.fields(LINE_KINDS["header"])} >= {"schema", "version", "world_size"}
+
+
+def _with_line(tmp_path, line):
+    path = tmp_path / "pace_run.jsonl"
+    write(path).close()
+    lines = _lines(path)
+    lines.insert(-1, line)
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_a_field_added_later_may_be_absent_but_a_declared_one_may_not(tmp_path):
+    # a hang line from before "behind", "stale" and "action" existed reads; one without "hosts" does not
+    old = {"record": "hang", "ranks": [1], "step": 3, "waited_s": 20.0, "hosts": ["a"]}
+    assert read_run_record(_with_line(tmp_path, old)).hangs == [old]
+    with pytest.raises(RunRecordError, match="hang has no 'hosts' field"):
+        read_run_record(_with_line(tmp_path, {k: v for k, v in old.items() if k != "hosts"}))
+    # a later field, where present, is checked like the others
+    with pytest.raises(RunRecordError, match=r"hang field 'stale'='x' is not a list"):
+        read_run_record(_with_line(tmp_path, {**old, "stale": "x"}))
+    with pytest.raises(RunRecordError, match=r"shares field 'from_step'='3' is not an integer or null"):
+        shares = {"record": "shares", "window": 0, "after_step": 3, "state": "trial", "samples": [1, 1, 1]}
+        shares.update(from_step="3", reason="r", baseline_step_ms=None, trial_step_ms=None)
+        read_run_record(_with_line(tmp_path, shares))
+    with pytest.raises(RunRecordError, match=r"end field 'steps'=True is not an integer"):
+        path = tmp_path / "pace_run.jsonl"
+        write(path).close()
+        lines = _lines(path)
+        lines[-1]["steps"] = True  # a bool is not a count
+        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        read_run_record(path)
