@@ -13,7 +13,7 @@ protocol and, in each concrete class, the mixin against that package's real meth
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
@@ -22,8 +22,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from pace_strategy.core.config import PacingConfig
-from pace_strategy.integrations._lightning_fsdp import FSDPSharding
-from pace_strategy.integrations._lightning_pacing import StrategyPacing, UserCommHook
+from pace_strategy.integrations._arguments import parent_arguments
+from pace_strategy.integrations._lightning_fsdp import FSDPSharding, FSDPStrategyView
+from pace_strategy.integrations._lightning_pacing import RunDirArg, StrategyPacing, StrategyView, UserCommHook
+from pace_strategy.integrations.env import PacingArg
 from pace_strategy.session import PacingSession
 
 __all__ = [
@@ -115,10 +117,22 @@ else:
     _StrategyBase = _DDPBase = _FSDPBase = object
 
 
+def lightning_init(cls: type, mixin: type) -> Callable[..., Any]:
+    """The constructor of the Lightning strategy class that follows ``mixin`` in ``cls``'s bases
+    (``DDPStrategy`` or ``ModelParallelStrategy``, of whichever package the concrete class is built
+    on): the arguments the paced strategy takes, in their positions."""
+    mro = cls.__mro__
+    for parent in mro[mro.index(mixin) + 1 :]:
+        if parent.__module__.split(".")[0] in ("lightning", "pytorch_lightning"):
+            init: Callable[..., Any] = parent.__init__  # type: ignore[misc]  # a class's, read as such
+            return init
+    raise TypeError(f"{cls.__name__} has no Lightning strategy after {mixin.__name__} in its bases")
+
+
 class PacedStrategyMixin(_StrategyBase):
     """Step events -> :attr:`pacing`; shared by every paced strategy of both Lightning packages.
 
-    Goes before the Lightning strategy class in the bases; the concrete class's constructor sets
+    Goes before the Lightning strategy class in the bases; the DDP and FSDP mixins' constructors set
     :attr:`pacing`.
     """
 
@@ -215,6 +229,16 @@ class PacedDDPMixin(PacedStrategyMixin, _DDPBase):
 
     user_comm_hook: UserCommHook
 
+    def __init__(
+        self, *args: Any, pacing: PacingArg = None, run_dir: RunDirArg = None, **kwargs: Any
+    ) -> None:
+        named = parent_arguments(lightning_init(type(self), PacedDDPMixin), args, kwargs)  # its positions
+        self.pacing = StrategyPacing(pacing, cast(StrategyView, self), run_dir)
+        self.user_comm_hook = UserCommHook.take(named)
+        # No hook for Lightning (configure_ddp registers it); the state still goes there, for its
+        # post-localSGD model averaging.
+        cast(Any, super()).__init__(ddp_comm_state=self.user_comm_hook.state, **named)
+
     @override
     def configure_ddp(self) -> None:
         # Lightning wraps the model in DDP here and registers comm hooks right after (stock
@@ -234,6 +258,27 @@ class PacedFSDPMixin(PacedStrategyMixin, _FSDPBase):
     :attr:`sharding`."""
 
     sharding: FSDPSharding
+
+    def __init__(
+        self,
+        *args: Any,
+        pacing: PacingArg = None,
+        run_dir: RunDirArg = None,
+        auto_shard_min_params: int = 100_000,
+        auto_shard_classes: Sequence[type[nn.Module]] = (),
+        **kwargs: Any,
+    ) -> None:
+        named = parent_arguments(lightning_init(type(self), PacedFSDPMixin), args, kwargs)  # its positions
+        self.pacing = StrategyPacing(pacing, cast(StrategyView, self), run_dir)
+        self.sharding = FSDPSharding(
+            cast(FSDPStrategyView, self),
+            min_params=auto_shard_min_params,
+            module_classes=auto_shard_classes,
+            data_parallel_size=named.get("data_parallel_size", "auto"),
+            tensor_parallel_size=named.get("tensor_parallel_size", "auto"),
+        )
+        named["tensor_parallel_size"] = self.sharding.tensor_parallel_size
+        cast(Any, super()).__init__(**named)
 
     @property
     def auto_shard_min_params(self) -> int:

@@ -11,21 +11,9 @@ pace_strategy`` imports it as soon as ``lightning.pytorch`` is imported.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, StrategyRegistry
-from torch import nn
 
-from pace_strategy.integrations._arguments import parent_arguments
-from pace_strategy.integrations._lightning_fsdp import FSDPSharding
 from pace_strategy.integrations._lightning_mixins import PacedDDPMixin, PacedFSDPMixin
-from pace_strategy.integrations._lightning_pacing import (
-    RunDirArg,
-    StrategyPacing,
-    UserCommHook,
-)
-from pace_strategy.integrations.env import PacingArg
 
 __all__ = ["PacedDDPStrategy", "PacedFSDPStrategy", "register_lightning_strategies"]
 
@@ -49,16 +37,6 @@ class PacedDDPStrategy(PacedDDPMixin, DDPStrategy):
 
     strategy_name = "paced_ddp"
 
-    def __init__(
-        self, *args: Any, pacing: PacingArg = None, run_dir: RunDirArg = None, **kwargs: Any
-    ) -> None:
-        named = parent_arguments(DDPStrategy.__init__, args, kwargs)  # DDPStrategy's positions
-        self.pacing = StrategyPacing(pacing, self, run_dir)
-        self.user_comm_hook = UserCommHook.take(named)
-        # No hook for Lightning (configure_ddp registers it); the state still goes there, for its
-        # post-localSGD model averaging.
-        super().__init__(ddp_comm_state=self.user_comm_hook.state, **named)
-
 
 class PacedFSDPStrategy(PacedFSDPMixin, ModelParallelStrategy):
     """FSDP2 (``fully_shard``) with skew monitoring and adaptive pacing, on Lightning's
@@ -80,27 +58,6 @@ class PacedFSDPStrategy(PacedFSDPMixin, ModelParallelStrategy):
     """
 
     strategy_name = "paced_fsdp"
-
-    def __init__(
-        self,
-        *args: Any,
-        pacing: PacingArg = None,
-        run_dir: RunDirArg = None,
-        auto_shard_min_params: int = 100_000,
-        auto_shard_classes: Sequence[type[nn.Module]] = (),
-        **kwargs: Any,
-    ) -> None:
-        named = parent_arguments(ModelParallelStrategy.__init__, args, kwargs)  # its positions
-        self.pacing = StrategyPacing(pacing, self, run_dir)
-        self.sharding = FSDPSharding(
-            self,
-            min_params=auto_shard_min_params,
-            module_classes=auto_shard_classes,
-            data_parallel_size=named.get("data_parallel_size", "auto"),
-            tensor_parallel_size=named.get("tensor_parallel_size", "auto"),
-        )
-        named["tensor_parallel_size"] = self.sharding.tensor_parallel_size
-        super().__init__(**named)
 
 
 def register_lightning_strategies() -> None:
