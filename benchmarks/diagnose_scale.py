@@ -2,7 +2,9 @@
 
 Writes a synthetic record in the run-record schema (default 100,000 steps x 64 ranks, 8 nodes x 8
 local ranks, local rank 5 slow by 3 ms on every node, 1 ms jitter), then times the diagnosis and the
-report. The synthetic data only exercises size; the real-run tests check what the findings say.
+report, and the peak memory (RSS) of the load and of the findings above what the process held
+before them (Linux: the peak is reset through /proc/self/clear_refs). The synthetic data only
+exercises size; the real-run tests check what the findings say.
 
     python benchmarks/diagnose_scale.py [--steps 100000] [--ranks 64]
 """
@@ -92,6 +94,29 @@ def write_record(path: Path, steps: int, ranks: int, per_node: int) -> None:
             print(f"  wrote {start + n:,}/{steps:,} steps", flush=True)
 
 
+def _status_mb(key: str) -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return float(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak() -> float | None:
+    """Reset the peak RSS to the current one (Linux); returns the current RSS, MB."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    return _status_mb("VmRSS")
+
+
+def _peak_mb() -> float | None:
+    return _status_mb("VmHWM")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=100_000)
@@ -102,15 +127,25 @@ def main() -> int:
         path = Path(tmp) / "pace_run.jsonl"
         write_record(path, args.steps, args.ranks, args.per_node)
         size_mb = path.stat().st_size / 1e6
+        before = _reset_peak()
         t0 = time.perf_counter()
         arrays = load_arrays(path)
         t1 = time.perf_counter()
+        load_peak = _peak_mb()
+        _reset_peak()
         result = diagnose(arrays)
         t2 = time.perf_counter()
+        findings_peak = _peak_mb()
         render_report(arrays, result, Path(tmp) / "report", DiagnosisConfig())
         t3 = time.perf_counter()
     print(f"{args.steps:,} steps x {args.ranks} ranks, record {size_mb:.0f} MB")
     print(f"  load {t1 - t0:.1f} s, findings {t2 - t1:.1f} s, report {t3 - t2:.1f} s, total {t3 - t0:.1f} s")
+    if before is not None and load_peak is not None and findings_peak is not None:
+        arrays_mb = sum(v.nbytes for v in vars(arrays).values() if isinstance(v, np.ndarray)) / 1e6
+        print(
+            f"  peak RSS above the {before:.0f} MB held before: load +{load_peak - before:.0f} MB "
+            f"(the arrays: {arrays_mb:.0f} MB), findings +{findings_peak - before:.0f} MB"
+        )
     print(f"  top finding: {result.findings[0].mode} ranks {result.findings[0].ranks}")
     return 0
 

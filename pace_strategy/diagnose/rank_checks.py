@@ -57,7 +57,7 @@ def data_stall(run: RunStats, explained: set[int]) -> list[Finding]:
         if run.share[r] < cfg.data_straggler_share or mask.sum() < cfg.data_straggler_steps:
             continue
         late = run.late_ms([r], mask)
-        excess = (run.a.data[:, r] - run.others_median(run.a.data, [r]))[mask]
+        excess = run.a.data[mask, r] - run.others_median(run.a.data, [r], mask)
         explained_share = float(np.median(np.clip(excess, 0, None) / np.maximum(late, EPSILON)))
         if np.median(excess) >= noise and explained_share >= cfg.data_share:
             explained.add(r)
@@ -72,7 +72,7 @@ def data_stall(run: RunStats, explained: set[int]) -> list[Finding]:
                         f"{run.a.describe_rank(r)} arrived last in {pct(float(run.share[r]))} of "
                         f"{run.S:,} steps, {np.median(late):.1f} ms late at the median; in those steps it "
                         f"waited {np.median(run.a.data[mask, r]):.1f} ms for its input against "
-                        f"{np.median(run.others_median(run.a.data, [r])[mask]):.1f} ms for the other ranks"
+                        f"{np.median(run.others_median(run.a.data, [r], mask)):.1f} ms for the other ranks"
                     ),
                     action=(
                         "the input pipeline of this rank is the bottleneck: more DataLoader workers, "
@@ -184,9 +184,9 @@ def persistent_or_late_start(run: RunStats, explained: set[int]) -> list[Finding
             continue
         late_steps = run.late_ms([r], mask)
         weights = np.clip(late_steps, 0.0, None)
-        compute_excess = (run.a.compute[:, r] - run.others_median(run.a.compute, [r]))[mask]
-        own_excess = (run.own_between[:, r] - run.others_median(run.own_between, [r]))[mask]
-        loop_excess = (run.loop[:, r] - run.others_median(run.loop, [r]))[mask]
+        compute_excess = run.a.compute[mask, r] - run.others_median(run.a.compute, [r], mask)
+        own_excess = run.own_between[mask, r] - run.others_median(run.own_between, [r], mask)
+        loop_excess = run.loop[mask, r] - run.others_median(run.loop, [r], mask)
         loss_share = float(run.lost_per_step[mask].sum()) / total_lost if total_lost > 0 else 0.0
         median_late, weighted_late = float(np.median(late_steps)), _weighted(late_steps, weights)
         steady = (

@@ -134,15 +134,18 @@ class RunStats:
         #: [S, ranks] the rest of the gap: the framework's loop between steps and its collectives
         self.loop = np.clip(a.gap - self.own_between, 0.0, None)
 
-    def others_median(self, x: np.ndarray, ranks: list[int]) -> np.ndarray:
-        """Per step, the median of ``x`` over the ranks not in ``ranks``."""
+    def others_median(self, x: np.ndarray, ranks: list[int], mask: np.ndarray | None = None) -> np.ndarray:
+        """Per step (per masked step, with ``mask``), the median of ``x`` over the ranks not in
+        ``ranks``. The mask goes first: a check that asks this of every rank for the steps it was
+        last in then does W medians of its own steps, not W medians of the whole run."""
         keep = np.ones(self.W, dtype=bool)
         keep[ranks] = False
-        return np.median(x[:, keep], axis=1)
+        rows = x if mask is None else x[mask]
+        return np.median(rows[:, keep], axis=1)
 
     def late_ms(self, ranks: list[int], mask: np.ndarray) -> np.ndarray:
         """How much later than the other ranks' median the straggler arrived, on the masked steps."""
-        return (self.others_median(self.a.wait, ranks) - self.transfer)[mask]
+        return self.others_median(self.a.wait, ranks, mask) - self.transfer[mask]
 
     def noise_ms(self) -> float:
         return max(self.cfg.slow_ms_floor, self.cfg.slow_step_fraction * self.median_step)

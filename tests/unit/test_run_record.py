@@ -117,3 +117,23 @@ def test_a_field_added_later_may_be_absent_but_a_declared_one_may_not(tmp_path):
         lines[-1]["steps"] = True  # a bool is not a count
         path.write_text("".join(json.dumps(x) + "\n" for x in lines))
         read_run_record(path)
+
+
+def test_arrays_are_written_in_place_and_keep_every_value(tmp_path):
+    import numpy as np
+
+    import pace_strategy.telemetry.arrays as arrays
+
+    path = tmp_path / "pace_run.jsonl"
+    w = write(path, steps=10)
+    w.close()
+    lines = [x for x in _lines(path) if x["record"] == "step"]
+    lines[4]["ranks"]["wait_ms"][1] = None  # a non-finite value, written as null
+    text = "".join(json.dumps(x) + "\n" for x in [_lines(path)[0], *lines, *_lines(path)[-2:]])
+    path.write_text(text.rstrip("\n"))  # the last line without its newline: still counted
+    assert arrays._line_count(path) == 13
+    a = arrays.load_arrays(path)
+    expected = np.array([[np.nan if v is None else v for v in s["ranks"]["wait_ms"]] for s in lines])
+    assert a.wait.shape == (10, 3) and np.array_equal(a.wait, expected, equal_nan=True)
+    assert np.isnan(a.wait[4, 1]) and a.host_bound.shape == (10, 3) and a.host_bound.all()
+    assert np.array_equal(a.compute, [s["ranks"]["compute_ms"] for s in lines])
