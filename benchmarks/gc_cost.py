@@ -50,7 +50,7 @@ class _Arm:
             self.monitor = GcMonitor(lambda ms, n: None)
             self.monitor.install()
         if self.name == "monitor+gc_sync":
-            self.sync = GcSync(PacingConfig(gc_sync=True, gc_sync_warmup_steps=0))
+            self.sync = GcSync(PacingConfig(gc_sync={"enabled": True, "warmup_steps": 0}))
             self.sync.begin_step(0, 0)  # take over (one full collection, outside the timed part)
         return self
 

@@ -48,7 +48,7 @@ def _demo_args(arm: str, load: str, ranks: int, args: argparse.Namespace) -> lis
     if arm == "gc_sync":
         out += ["--pacing", "gc_sync=true"]
         if args.freeze:
-            out += ["--pacing", "gc_sync_freeze=true"]
+            out += ["--pacing", "gc_sync.freeze=true"]
     return out
 
 

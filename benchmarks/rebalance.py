@@ -129,7 +129,7 @@ def run_arm(work: Path, index: int, case: Case, kind: str, args: Any, fabric: te
     if case.factor > 1.0:
         demo += ["--slow-device", f"1:{case.factor:g}"]  # a global rank: node 0's local rank 1
         demo += ["--straggler-phase", args.phase]  # where the slow rank's extra time goes
-    quantum = ["--pacing", f"rebalance_quantum={args.quantum}"] if args.quantum else []
+    quantum = ["--pacing", f"rebalance.quantum={args.quantum}"] if args.quantum else []
     if kind == "ddp":
         demo += ["--strategy", "ddp"]
     else:
@@ -170,7 +170,7 @@ def main() -> int:
     p.add_argument("--skip", type=int, default=64, help="steps left out at the start (decision + trial)")
     p.add_argument("--sample-ms", type=float, default=1.0, help="emulated compute per sample, ms")
     p.add_argument("--batch-size", type=int, default=128, help="samples per rank per step at even shares")
-    p.add_argument("--quantum", type=int, default=0, help="rebalance_quantum (0: the config default)")
+    p.add_argument("--quantum", type=int, default=0, help="rebalance.quantum (0: the config default)")
     p.add_argument(
         "--control", action="store_true", help="clean cases: a third arm, monitoring alone (no rebalancing)"
     )
@@ -185,7 +185,7 @@ def main() -> int:
     p.add_argument("--out", default="benchmarks/results/rebalance.json")
     p.add_argument("--markdown", default="benchmarks/results/rebalance.md")
     args = p.parse_args()
-    args.quantum_used = args.quantum or PacingConfig().rebalance_quantum
+    args.quantum_used = args.quantum or PacingConfig().rebalance.quantum
     data_path = data_path_cost(args.data_path_batches)
     print(f"data path per batch: {data_path}", flush=True)
     rows, result = [], {**provenance(args), "data_path": data_path, "cases": []}
@@ -282,7 +282,7 @@ def table(rows: list[dict[str, Any]], args: Any, data_path: dict[str, float]) ->
             else ""
         )
         + ", "
-        f"{args.batch_size} samples per rank at even shares, rebalance_quantum {args.quantum_used})",
+        f"{args.batch_size} samples per rank at even shares, rebalance.quantum {args.quantum_used})",
         "",
         "| ranks | rank 1 per sample | ddp samples/s | rebalance samples/s | ratio (median; each pair) "
         "| capacity bound | best split's bound | attainable (outside compute) | ddp / bound (theory) "

@@ -19,6 +19,8 @@ from pace_strategy._version import __version__
 if TYPE_CHECKING:
     from pace_strategy.core import (
         Decision,
+        GcSyncConfig,
+        HangConfig,
         PaceDistributedError,
         Pacer,
         PaceTimeoutError,
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
         PacingConfigError,
         PacingPolicy,
         PolicyState,
+        RebalanceConfig,
         StepSummary,
         WindowResult,
     )
@@ -50,6 +53,8 @@ _WHERE = {
     **dict.fromkeys(
         (
             "Decision",
+            "GcSyncConfig",
+            "HangConfig",
             "PaceDistributedError",
             "PaceTimeoutError",
             "Pacer",
@@ -57,6 +62,7 @@ _WHERE = {
             "PacingConfigError",
             "PacingPolicy",
             "PolicyState",
+            "RebalanceConfig",
             "StepSummary",
             "WindowResult",
         ),
@@ -86,7 +92,9 @@ _WHERE = {
 
 __all__ = [
     "Decision",
+    "GcSyncConfig",
     "GradReadyMonitor",
+    "HangConfig",
     "Pace",
     "PaceDistributedError",
     "PaceSummary",
@@ -102,6 +110,7 @@ __all__ = [
     "PacingPolicy",
     "PacingSession",
     "PolicyState",
+    "RebalanceConfig",
     "RunRecord",
     "ShareBatchSampler",
     "StepSummary",

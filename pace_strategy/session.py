@@ -166,7 +166,7 @@ class PacingSession:
             clock = clock_for_device(device)
             if isinstance(clock, CudaEventClock) and config.mode != "monitor":
                 clock.calibrate()  # now, on the session's device: not inside the first paced step
-        memory = device_memory_probe(device) if config.rebalance else None
+        memory = device_memory_probe(device) if config.rebalance.enabled else None
         self.pacer = Pacer(config, group, rank, world_size, clock, memory_probe=memory)
         self.metrics_sink = metrics_sink if rank == 0 else None
         self._dashboard = dashboard if rank == 0 else None
@@ -201,7 +201,7 @@ class PacingSession:
         # gc_sync the Pacer also collects at agreed steps. Both are undone in _close, whatever ends the run.
         self.gc_monitor = GcMonitor(self.pacer.add_gc)
         self.gc_monitor.install()
-        if config.gc_sync:
+        if config.gc_sync.enabled:
             self.pacer.gc_sync = GcSync(config)
         self._gc_ranks: list[dict[str, Any]] | None = None  #: every rank's GC report, gathered at finish
         self.watchdog = self._start_watchdog()
@@ -332,7 +332,9 @@ class PacingSession:
             try:
                 dashboard(
                     dashboard_layout(
-                        self.world_size, self.config.per_rank_tag_limit, batch_shares=self.config.rebalance
+                        self.world_size,
+                        self.config.per_rank_tag_limit,
+                        batch_shares=self.config.rebalance.enabled,
                     )
                 )
             except Exception:  # a dashboard is a convenience: the tags still go out
@@ -340,7 +342,7 @@ class PacingSession:
         if self.metrics_sink is not None and tags:
             for summary in summaries:
                 metrics = step_metrics(
-                    summary, self.config.per_rank_tag_limit, batch_shares=self.config.rebalance
+                    summary, self.config.per_rank_tag_limit, batch_shares=self.config.rebalance.enabled
                 )
                 self.metrics_sink(metrics, summary.step)
         if self.record is not None:
@@ -517,7 +519,7 @@ class PacingSession:
 
         Its keys live under a namespace that every rank computes alike and that no earlier session
         or attempt of the job used: the restart count and this process's session number."""
-        store = job_store() if self.world_size > 1 and self.config.hang_timeout_s > 0 else None
+        store = job_store() if self.world_size > 1 and self.config.hang.timeout_s > 0 else None
         if store is None:
             return None
         watchdog = HangWatchdog(
@@ -526,7 +528,7 @@ class PacingSession:
             rank=self.rank,
             world_size=self.world_size,
             hosts=[str(p.get("host", "?")) for p in self.topology],
-            hang_timeout_s=self.config.hang_timeout_s,
+            hang_timeout_s=self.config.hang.timeout_s,
             progress=lambda: (self.pacer.progress, self.pacer.progress_step),
             on_hang=self._on_hang,
         )
@@ -544,7 +546,7 @@ class PacingSession:
             hosts=list(report.hosts),
             behind=list(report.behind),
             stale=list(report.stale),
-            action=self.config.hang_action,
+            action=self.config.hang.action,
             extra={"pids": [p.get("pid") for p in named], "gpus": gpus},
         ).to_json()
 
@@ -579,7 +581,7 @@ class PacingSession:
     def _evidence_wait_s(self) -> float:
         """How long rank 0 waits for the live ranks' stacks (they publish them at their verdict, within
         a heartbeat or two of each other)."""
-        return min(10.0, self.config.hang_timeout_s)
+        return min(10.0, self.config.hang.timeout_s)
 
     def _on_hang(self, report: HangReport) -> None:
         """Watchdog thread, once ranks are named: rank 0 records the hang and its evidence
@@ -598,7 +600,7 @@ class PacingSession:
                 self.record.write_line(line)
         except Exception:  # the disk: the verdict is logged anyway, and the abort must still happen
             log.exception("pace_strategy: could not write the hang line to %s", self.record_path)
-        abort = self.config.hang_action == "abort"
+        abort = self.config.hang.action == "abort"
         try:
             if abort and not self._finished:  # the end line first: nothing after may be in time
                 self._finished = True

@@ -607,8 +607,7 @@ def _pair_rank(rank: int, world: int, out: str, steps: int) -> None:
         "activate_windows": 1,
         "exchange_every_steps": 4,
         "warmup_steps": 2,
-        "rebalance": True,
-        "rebalance_persist_windows": 1,
+        "rebalance": {"enabled": True, "persist_windows": 1},
         "max_delay_step_fraction": 0.5,
     }
     with pace_strategy.attach(model, pacing=pacing, run_dir=Path(out) / "record") as pace:

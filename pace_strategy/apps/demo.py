@@ -301,7 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def recipe_rebalances(args: argparse.Namespace) -> bool:
     """Whether the demo's pacing turns rebalancing on."""
-    return bool(PacingConfig.from_dict(load_mapping(None, args.pacing)).rebalance)
+    return PacingConfig.from_dict(load_mapping(None, args.pacing)).rebalance.enabled
 
 
 def _report(args: argparse.Namespace, trainer: Any, elapsed_s: float) -> None:

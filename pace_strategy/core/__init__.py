@@ -14,7 +14,14 @@ from pace_strategy._imports import lazy_attributes
 if TYPE_CHECKING:
     from pace_strategy.core.clock import Clock, CudaEventClock, HostClock, ManualClock, clock_for_device
     from pace_strategy.core.comm import WindowExchange, gather_json
-    from pace_strategy.core.config import DDPMonitor, PacingConfig, PacingMode
+    from pace_strategy.core.config import (
+        DDPMonitor,
+        GcSyncConfig,
+        HangConfig,
+        PacingConfig,
+        PacingMode,
+        RebalanceConfig,
+    )
     from pace_strategy.core.errors import (
         PaceDistributedError,
         PaceHangError,
@@ -40,7 +47,7 @@ if TYPE_CHECKING:
 _MODULES: dict[str, tuple[str, ...]] = {
     "clock": ("Clock", "CudaEventClock", "HostClock", "ManualClock", "clock_for_device"),
     "comm": ("WindowExchange", "gather_json"),
-    "config": ("DDPMonitor", "PacingConfig", "PacingMode"),
+    "config": ("DDPMonitor", "GcSyncConfig", "HangConfig", "PacingConfig", "PacingMode", "RebalanceConfig"),
     "errors": ("PaceDistributedError", "PaceHangError", "PaceTimeoutError", "PacingConfigError"),
     "gc_monitor": ("GcMonitor",),
     "gc_sync": ("GcSync",),
@@ -63,6 +70,8 @@ __all__ = [
     "GcCollect",
     "GcMonitor",
     "GcSync",
+    "GcSyncConfig",
+    "HangConfig",
     "HostClock",
     "ManualClock",
     "PaceDistributedError",
@@ -74,6 +83,7 @@ __all__ = [
     "PacingMode",
     "PacingPolicy",
     "PolicyState",
+    "RebalanceConfig",
     "RebalanceDecision",
     "RebalancePolicy",
     "RebalanceState",

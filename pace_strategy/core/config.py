@@ -4,14 +4,30 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 from pace_strategy.core.errors import PacingConfigError
 
-__all__ = ["DDPMonitor", "HangAction", "PacingConfig", "PacingMode", "check_known_keys", "doc"]
+__all__ = [
+    "FLAT_NAMES",
+    "GROUPS",
+    "DDPMonitor",
+    "GcSyncConfig",
+    "HangAction",
+    "HangConfig",
+    "PacingConfig",
+    "PacingMode",
+    "RebalanceConfig",
+    "check_known_keys",
+    "doc",
+    "nest_flat_names",
+    "recorded_switch",
+]
 
 PacingMode = Literal["adaptive", "monitor", "forced"]
 _MODES: tuple[str, ...] = get_args(PacingMode)
@@ -35,6 +51,241 @@ def check_known_keys(keys: Iterable[str], known: Sequence[str], what: str, prefi
             raise PacingConfigError(
                 f"Unknown {what} {prefix + str(key)!r}.{suggestion} Valid: {', '.join(known)}."
             )
+
+
+class _Group:
+    """What the three nested groups share: built from a mapping with unknown keys named, and checked
+    with messages that name the field as ``PacingConfig.<group>.<field>``."""
+
+    GROUP: ClassVar[str]
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> Any:
+        check_known_keys(values, [f.name for f in fields(cls)], "pacing config field", prefix=f"{cls.GROUP}.")  # type: ignore[arg-type]
+        return cls(**values)
+
+    def _name(self, name: str) -> str:
+        return f"{self.GROUP}.{name}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class HangConfig(_Group):
+    """The hang watchdog (docs/reliability.md)."""
+
+    GROUP: ClassVar[str] = "hang"
+
+    timeout_s: float = field(
+        default=120.0,
+        metadata=doc(
+            """Seconds a rank's own step may stand still before its watchdog reads every rank's progress
+            from the job's c10d store and names the ranks that stopped arriving (behind the others, or
+            with a stopped heartbeat), long before the process-group timeout (30 min by default) that
+            DDP's stuck collective would otherwise wait out. 0 disables the watchdog. Pauses that every
+            rank takes together (validation, checkpointing) never trigger it; a single rank pausing
+            alone longer than this while its peers wait in a collective does (docs/reliability.md)."""
+        ),
+    )
+    action: HangAction = field(
+        default="abort",
+        metadata=doc(
+            """What a rank does once its watchdog has named hung ranks (after logging them and, on rank
+            0, writing a ``hang`` line to the run record). ``"abort"``: close the run record with status
+            ``hung`` and exit the process with code 75 so that the launcher can restart the job.
+            ``"log"``: only log and record; training keeps waiting (for the process-group timeout, or
+            for the rank to come back)."""
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        _number(self, "timeout_s", low=0.0)
+        if self.action not in _HANG_ACTIONS:
+            _fail(self._name("action"), self.action, f"one of {', '.join(repr(a) for a in _HANG_ACTIONS)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RebalanceConfig(_Group):
+    """Rebalancing: per-rank shares of a constant global batch (docs/rebalancing.md)."""
+
+    GROUP: ClassVar[str] = "rebalance"
+
+    enabled: bool = field(
+        default=False,
+        metadata=doc(
+            """Rebalancing: give a persistently slow rank fewer samples of a constant global batch (and
+            the fast ranks more), from each rank's per-sample compute time in the exchanged windows
+            (compute time over samples: wait, start gaps and data waits are not counted). A new split
+            is kept only while an A/B check shows the step shorter by more than the run's own noise.
+            Needs an integration that attaches a share schedule (docs/rebalancing.md); works beside
+            pacing and with ``mode="monitor"``."""
+        ),
+    )
+    quantum: int | Literal["auto"] = field(
+        default="auto",
+        metadata=doc(
+            """Shares are whole multiples of this many samples (any remainder of the global batch goes to
+            the fastest rank), and every rank keeps at least one quantum. Larger quanta keep batch
+            shapes few (each new shape may cost a recompilation or an allocator warm-up on GPUs).
+            ``"auto"``: 8 where the even share (global batch / world size) is at least 64 samples,
+            else the largest power of two up to an eighth of it (at least 1): at 32 samples per rank
+            a quantum of 8 leaves four splits, and the best of them stops short of the gain in reach."""
+        ),
+    )
+    max_share: float = field(
+        default=1.5,
+        metadata=doc(
+            """The most samples a rank may take, as a multiple of the even share (global batch / world
+            size; at least 1). A fast rank's share otherwise grows without bound, up to nearly all of
+            the global batch, and its activations with it: on a GPU that runs it out of memory."""
+        ),
+    )
+    min_imbalance: float = field(
+        default=0.05,
+        metadata=doc(
+            """A new split is proposed only if it is predicted to shorten the step by at least this
+            fraction of the median step time: the slowest rank's compute now against the slowest
+            predicted compute after the split (per-sample time x new share)."""
+        ),
+    )
+    persist_windows: int = field(
+        default=3,
+        metadata=doc(
+            """Consecutive windows the imbalance must persist before a new split is tried (hysteresis;
+            the split comes from the median per-sample times of those windows)."""
+        ),
+    )
+    min_scaling: float = field(
+        default=0.5,
+        metadata=doc(
+            """A split is kept only if the compute of the ranks whose share fell dropped by at least
+            this fraction of what their per-sample time predicted; less means the slowness is a fixed
+            per-step cost that does not scale with samples, and the split is reverted."""
+        ),
+    )
+    cooldown_windows: int = field(
+        default=16,
+        metadata=doc(
+            """Windows at the previous split after a reverted trial before another split may be tried;
+            grows by ``cooldown_growth`` for each further reverted trial in a row, up to
+            ``max_cooldown_windows`` (or this start, if larger). The trial itself lasts
+            ``ab_windows`` windows and is judged with pacing's A/B rule (``min_gain_fraction``,
+            ``ab_noise_factor``)."""
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            _fail(self._name("enabled"), self.enabled, "true or false")
+        if self.quantum != "auto":
+            _positive_int(self, "quantum", allowed="an integer >= 1 or 'auto'")
+        _number(self, "max_share", low=1.0, high=float(2**31))
+        _number(self, "min_imbalance", low=0.0, high=1.0, low_open=True)
+        _positive_int(self, "persist_windows")
+        _number(self, "min_scaling", low=0.0, high=1.0, low_open=True)
+        _positive_int(self, "cooldown_windows", minimum=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GcSyncConfig(_Group):
+    """Synchronized garbage collection (docs/diagnosis.md, ``gc_pauses``)."""
+
+    GROUP: ClassVar[str] = "gc_sync"
+
+    enabled: bool = field(
+        default=False,
+        metadata=doc(
+            """Synchronized garbage collection. After ``gc_sync.warmup_steps`` the collector no longer
+            runs full (oldest-generation) collections by itself; all ranks run one at the same agreed
+            step instead, decided from the exchanged windows when any rank's collector would have run
+            one, so W ranks' pauses overlap instead of adding up. Young collections stay automatic.
+            The collector's settings are restored at the end of training and on failure
+            (docs/diagnosis.md, ``gc_pauses``)."""
+        ),
+    )
+    warmup_steps: int = field(
+        default=5,
+        metadata=doc(
+            """Steps of normal collection before synchronized collection takes over (start-up builds
+            the long-lived heap: model, optimizer state, data loader)."""
+        ),
+    )
+    due_fraction: float = field(
+        default=1.0,
+        metadata=doc(
+            """A synchronized collection is decided when some rank's due fraction (its progress towards
+            the full collection CPython's own rule would start: young collections since the last full
+            one over the third threshold, and objects promoted since then over a quarter of the
+            long-lived heap) reaches this value. 1.0: when the automatic collector would have run; lower
+            collects earlier and more often (less garbage held), higher later."""
+        ),
+    )
+    freeze: bool = field(
+        default=False,
+        metadata=doc(
+            """At the take-over, run one full collection on every rank, then move the surviving heap
+            to the permanent generation (``gc.freeze()``): later full collections skip it and become
+            short. Trade-off:
+            frozen objects are never collected, so garbage cycles among them leak until the end of
+            training (when they are unfrozen)."""
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("enabled", "freeze"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(self._name(name), getattr(self, name), "true or false")
+        _positive_int(self, "warmup_steps", minimum=0)
+        _number(self, "due_fraction", low=0.0, low_open=True)
+
+
+#: the nested groups of :class:`PacingConfig`, by field name
+GROUPS: dict[str, type[Any]] = {"hang": HangConfig, "rebalance": RebalanceConfig, "gc_sync": GcSyncConfig}
+#: the flat names of earlier versions (``rebalance_quantum``) -> (group, field) (``rebalance.quantum``);
+#: still read, with a DeprecationWarning naming the new key
+FLAT_NAMES: dict[str, tuple[str, str]] = {
+    **{f"hang_{f.name}": ("hang", f.name) for f in fields(HangConfig)},
+    **{f"rebalance_{f.name}": ("rebalance", f.name) for f in fields(RebalanceConfig) if f.name != "enabled"},
+    **{f"gc_sync_{f.name}": ("gc_sync", f.name) for f in fields(GcSyncConfig) if f.name != "enabled"},
+}
+#: groups whose ``enabled`` switch a bare boolean stands for (``rebalance=True``)
+_SWITCHED = ("rebalance", "gc_sync")
+
+
+def recorded_switch(config: Mapping[str, Any] | None, group: str) -> bool:
+    """Whether a run record's header ``config`` had ``group`` (``rebalance``, ``gc_sync``) on:
+    ``{"rebalance": {"enabled": ...}}``, or a bare switch in records written before the nesting."""
+    value = (config or {}).get(group) if isinstance(config, Mapping) else None
+    return bool(value.get("enabled")) if isinstance(value, Mapping) else bool(value)
+
+
+def nest_flat_names(values: Mapping[str, Any], where: str = "", *, warn: bool = True) -> dict[str, Any]:
+    """``values`` with the flat names of earlier versions moved into their groups (a
+    DeprecationWarning names the new key, unless ``warn`` is off: reading an old run record) and a
+    bare boolean for ``rebalance`` / ``gc_sync`` turned into ``{"enabled": ...}``. Groups stay
+    mappings (or the group objects they were)."""
+    out = dict(values)
+    for group in _SWITCHED:
+        if isinstance(out.get(group), bool):
+            out[group] = {"enabled": out[group]}
+    for flat, (group, key) in FLAT_NAMES.items():
+        if flat not in out:
+            continue
+        if warn:
+            warnings.warn(
+                f"pace_strategy: the pacing config key {where}{flat!s} is deprecated; use "
+                f"{where}{group}.{key} (in Python: {group}={GROUPS[group].__name__}({key}=...))",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+        current = out.get(group)
+        nested = dataclasses.asdict(current) if isinstance(current, _Group) else dict(current or {})  # type: ignore[call-overload]
+        if key in nested and nested[key] != out[flat]:
+            raise PacingConfigError(
+                f"pacing config: {where}{flat}={out[flat]!r} and {where}{group}.{key}={nested[key]!r} "
+                f"both set the same field. Keep {where}{group}.{key} only."
+            )
+        nested[key] = out.pop(flat)
+        out[group] = nested
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,26 +465,9 @@ class PacingConfig:
             step (a dead or hung peer must not hang training forever)."""
         ),
     )
-    hang_timeout_s: float = field(
-        default=120.0,
-        metadata=doc(
-            """Seconds a rank's own step may stand still before its watchdog reads every rank's progress
-            from the job's c10d store and names the ranks that stopped arriving (behind the others, or
-            with a stopped heartbeat), long before the process-group timeout (30 min by default) that
-            DDP's stuck collective would otherwise wait out. 0 disables the watchdog. Pauses that every
-            rank takes together (validation, checkpointing) never trigger it; a single rank pausing
-            alone longer than this while its peers wait in a collective does (docs/reliability.md)."""
-        ),
-    )
-    hang_action: HangAction = field(
-        default="abort",
-        metadata=doc(
-            """What a rank does once its watchdog has named hung ranks (after logging them and, on rank
-            0, writing a ``hang`` line to the run record). ``"abort"``: close the run record with status
-            ``hung`` and exit the process with code 75 so that the launcher can restart the job.
-            ``"log"``: only log and record; training keeps waiting (for the process-group timeout, or
-            for the rank to come back)."""
-        ),
+    hang: HangConfig = field(
+        default_factory=lambda: HangConfig(),
+        metadata=doc("The hang watchdog (``hang.timeout_s``, ``hang.action``): see :class:`HangConfig`."),
     )
     straggler_warn_fraction: float = field(
         default=0.8,
@@ -251,105 +485,19 @@ class PacingConfig:
             "Rank 0 writes the full per-rank, per-step run record (JSON lines) to the log directory."
         ),
     )
-    rebalance: bool = field(
-        default=False,
+
+    rebalance: RebalanceConfig = field(
+        default_factory=lambda: RebalanceConfig(),
         metadata=doc(
-            """Rebalancing: give a persistently slow rank fewer samples of a constant global batch (and
-            the fast ranks more), from each rank's per-sample compute time in the exchanged windows
-            (compute time over samples: wait, start gaps and data waits are not counted). A new split
-            is kept only while an A/B check shows the step shorter by more than the run's own noise.
-            Needs an integration that attaches a share schedule (docs/rebalancing.md); works beside
-            pacing and with ``mode="monitor"``."""
+            """Rebalancing (``rebalance.enabled``, ``rebalance.quantum``, ...): see :class:`RebalanceConfig`.
+            ``rebalance=True`` is short for ``rebalance=RebalanceConfig(enabled=True)``."""
         ),
     )
-    rebalance_quantum: int | Literal["auto"] = field(
-        default="auto",
+    gc_sync: GcSyncConfig = field(
+        default_factory=lambda: GcSyncConfig(),
         metadata=doc(
-            """Shares are whole multiples of this many samples (any remainder of the global batch goes to
-            the fastest rank), and every rank keeps at least one quantum. Larger quanta keep batch
-            shapes few (each new shape may cost a recompilation or an allocator warm-up on GPUs).
-            ``"auto"``: 8 where the even share (global batch / world size) is at least 64 samples,
-            else the largest power of two up to an eighth of it (at least 1): at 32 samples per rank
-            a quantum of 8 leaves four splits, and the best of them stops short of the gain in reach."""
-        ),
-    )
-    rebalance_max_share: float = field(
-        default=1.5,
-        metadata=doc(
-            """The most samples a rank may take, as a multiple of the even share (global batch / world
-            size; at least 1). A fast rank's share otherwise grows without bound, up to nearly all of
-            the global batch, and its activations with it: on a GPU that runs it out of memory."""
-        ),
-    )
-    rebalance_min_imbalance: float = field(
-        default=0.05,
-        metadata=doc(
-            """A new split is proposed only if it is predicted to shorten the step by at least this
-            fraction of the median step time: the slowest rank's compute now against the slowest
-            predicted compute after the split (per-sample time x new share)."""
-        ),
-    )
-    rebalance_persist_windows: int = field(
-        default=3,
-        metadata=doc(
-            """Consecutive windows the imbalance must persist before a new split is tried (hysteresis;
-            the split comes from the median per-sample times of those windows)."""
-        ),
-    )
-    rebalance_min_scaling: float = field(
-        default=0.5,
-        metadata=doc(
-            """A split is kept only if the compute of the ranks whose share fell dropped by at least
-            this fraction of what their per-sample time predicted; less means the slowness is a fixed
-            per-step cost that does not scale with samples, and the split is reverted."""
-        ),
-    )
-    rebalance_cooldown_windows: int = field(
-        default=16,
-        metadata=doc(
-            """Windows at the previous split after a reverted trial before another split may be tried;
-            grows by ``cooldown_growth`` for each further reverted trial in a row, up to
-            ``max_cooldown_windows`` (or this start, if larger). The trial itself lasts
-            ``ab_windows`` windows and is judged with pacing's A/B rule (``min_gain_fraction``,
-            ``ab_noise_factor``)."""
-        ),
-    )
-    gc_sync: bool = field(
-        default=False,
-        metadata=doc(
-            """Synchronized garbage collection. After ``gc_sync_warmup_steps`` the collector no longer
-            runs full (oldest-generation) collections by itself; all ranks run one at the same agreed
-            step instead, decided from the exchanged windows when any rank's collector would have run
-            one, so W ranks' pauses overlap instead of adding up. Young collections stay automatic.
-            The collector's settings are restored at the end of training and on failure
-            (docs/diagnosis.md, ``gc_pauses``)."""
-        ),
-    )
-    gc_sync_warmup_steps: int = field(
-        default=5,
-        metadata=doc(
-            """Steps of normal collection before ``gc_sync`` takes over (start-up builds the long-lived
-            heap: model, optimizer state, data loader)."""
-        ),
-    )
-    gc_sync_due_fraction: float = field(
-        default=1.0,
-        metadata=doc(
-            """A synchronized collection is decided when some rank's due fraction (its progress towards
-            the full collection CPython's own rule would start: young collections since the last full
-            one over the third threshold, and objects promoted since then over a quarter of the
-            long-lived heap) reaches this value. 1.0: when the automatic collector would have run; lower
-            collects earlier and more often (less garbage held), higher later."""
-        ),
-    )
-    gc_sync_freeze: bool = field(
-        default=False,
-        metadata=doc(
-            """At the take-over, run one full collection on every rank, then move the surviving heap
-            to the permanent generation (``gc.freeze()``): later full collections skip it and become
-            short. Trade-off:
-            frozen objects are never collected, so garbage cycles among them leak until the end of
-            training (when they are unfrozen)."""
+            """Synchronized garbage collection (``gc_sync.enabled``, ...): see :class:`GcSyncConfig`.
+            ``gc_sync=True`` is short for ``gc_sync=GcSyncConfig(enabled=True)``."""
         ),
     )
 
@@ -384,26 +532,17 @@ class PacingConfig:
         _number(self, "min_gain_fraction", low=0.0, high=1.0)
         _number(self, "ab_noise_factor", low=0.0)
         _number(self, "exchange_timeout_s", low=0.0, low_open=True)
-        _number(self, "hang_timeout_s", low=0.0)
-        if self.hang_action not in _HANG_ACTIONS:
-            _fail("hang_action", self.hang_action, f"one of {', '.join(repr(a) for a in _HANG_ACTIONS)}")
         _number(self, "straggler_warn_interval_s", low=0.0)
         if not isinstance(self.run_record, bool):
             _fail("run_record", self.run_record, "true or false")
-        if not isinstance(self.rebalance, bool):
-            _fail("rebalance", self.rebalance, "true or false")
-        if self.rebalance_quantum != "auto":
-            _positive_int(self, "rebalance_quantum", allowed="an integer >= 1 or 'auto'")
-        _number(self, "rebalance_max_share", low=1.0, high=float(2**31))
-        _number(self, "rebalance_min_imbalance", low=0.0, high=1.0, low_open=True)
-        _positive_int(self, "rebalance_persist_windows")
-        _number(self, "rebalance_min_scaling", low=0.0, high=1.0, low_open=True)
-        _positive_int(self, "rebalance_cooldown_windows", minimum=0)
-        for name in ("gc_sync", "gc_sync_freeze"):
-            if not isinstance(getattr(self, name), bool):
-                _fail(name, getattr(self, name), "true or false")
-        _positive_int(self, "gc_sync_warmup_steps", minimum=0)
-        _number(self, "gc_sync_due_fraction", low=0.0, low_open=True)
+        for name, group in GROUPS.items():  # a bare switch or a mapping: the group object
+            value = getattr(self, name)
+            if isinstance(value, bool) and name in _SWITCHED:
+                object.__setattr__(self, name, group(enabled=value))
+            elif isinstance(value, Mapping):
+                object.__setattr__(self, name, group.from_dict(value))
+            elif not isinstance(value, group):
+                _fail(name, value, f"a {group.__name__}, or a mapping of its fields")
         if self.deactivate_skew_fraction > self.activate_skew_fraction:
             raise PacingConfigError(
                 f"PacingConfig.deactivate_skew_fraction={self.deactivate_skew_fraction!r} is larger than "
@@ -422,10 +561,40 @@ class PacingConfig:
                 f"{self.max_delay_ms!r}; no delay could ever be applied. Set min_delay_ms <= max_delay_ms."
             )
 
+    def __getattr__(self, name: str) -> Any:
+        # the flat names of earlier versions, read (only called for names the instance lacks)
+        if name in FLAT_NAMES:
+            group, key = FLAT_NAMES[name]
+            warnings.warn(
+                f"pace_strategy: PacingConfig.{name} is deprecated; use PacingConfig.{group}.{key}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            return getattr(getattr(self, group), key)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @classmethod
+    def normalize_mapping(cls, values: Mapping[str, Any], where: str = "") -> dict[str, Any]:
+        """A mapping of fields (YAML, environment, ``pacing={...}``) with the flat names of earlier
+        versions moved into their groups (a DeprecationWarning names the new key)."""
+        return nest_flat_names(values, where)
+
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
-        """Names of all configuration fields, in declaration order."""
+        """Names of all configuration fields, in declaration order (a group is one name)."""
         return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def dotted_fields(cls) -> dict[str, Any]:
+        """Every leaf field as ``name`` or ``group.name`` -> its :class:`dataclasses.Field`."""
+        out: dict[str, Any] = {}
+        for f in fields(cls):
+            group = GROUPS.get(f.name)
+            if group is None:
+                out[f.name] = f
+            else:
+                out.update((f"{f.name}.{g.name}", g) for g in fields(group))
+        return out
 
     @classmethod
     def field_docs(cls) -> dict[str, str]:
@@ -433,17 +602,19 @@ class PacingConfig:
         return {f.name: f.metadata.get("doc", "") for f in fields(cls)}
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any] | None) -> PacingConfig:
+    def from_dict(cls, values: Mapping[str, Any] | None, *, warn: bool = True) -> PacingConfig:
         """Build a config from a mapping (YAML section, environment, CLI); unknown keys are errors.
 
-        ``None`` or an empty mapping gives the defaults.
+        ``None`` or an empty mapping gives the defaults. The flat names of earlier versions
+        (``rebalance_quantum``) are read into their groups, with a DeprecationWarning unless ``warn``
+        is off (a run record written by an earlier version).
         """
         if values is not None and not isinstance(values, Mapping):
             raise PacingConfigError(
                 f"PacingConfig values={values!r} are invalid: expected a mapping of field names to values "
                 "(e.g. {'mode': 'monitor'})."
             )
-        values = dict(values or {})
+        values = nest_flat_names(values or {}, warn=warn)
         check_known_keys(values, cls.field_names(), "pacing config field")
         return cls(**values)
 
@@ -463,14 +634,19 @@ def _fail(name: str, value: object, allowed: str) -> None:
     )
 
 
-def _positive_int(cfg: PacingConfig, name: str, minimum: int = 1, allowed: str | None = None) -> None:
+def _display(cfg: Any, name: str) -> str:
+    """``name``, or ``group.name`` for a field of a nested group."""
+    return cfg._name(name) if isinstance(cfg, _Group) else name
+
+
+def _positive_int(cfg: Any, name: str, minimum: int = 1, allowed: str | None = None) -> None:
     value = getattr(cfg, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        _fail(name, value, allowed or f"an integer >= {minimum}")
+        _fail(_display(cfg, name), value, allowed or f"an integer >= {minimum}")
 
 
 def _number(
-    cfg: PacingConfig,
+    cfg: Any,
     name: str,
     low: float,
     high: float = math.inf,
@@ -487,4 +663,21 @@ def _number(
     if not ok:
         lo = f"> {low:g}" if low_open else f">= {low:g}"
         hi = "" if math.isinf(high) else f" and <= {high:g}"
-        _fail(name, value, f"a finite number {lo}{hi}")
+        _fail(_display(cfg, name), value, f"a finite number {lo}{hi}")
+
+
+def _accept_flat_names(init: Any) -> Any:
+    """``PacingConfig(rebalance_quantum=4)`` as earlier versions took it: the flat names are moved
+    into their groups (with a DeprecationWarning naming the new key) before the dataclass's own
+    ``__init__`` runs."""
+
+    @functools.wraps(init)
+    def __init__(self: PacingConfig, **kwargs: Any) -> None:
+        if any(name in FLAT_NAMES for name in kwargs):
+            kwargs = nest_flat_names(kwargs)
+        init(self, **kwargs)
+
+    return __init__
+
+
+PacingConfig.__init__ = _accept_flat_names(PacingConfig.__init__)  # type: ignore[method-assign]

@@ -99,7 +99,7 @@ class GcSync:
         self._ours = False  #: inside our own gc.collect
         self._hook = self._callback
         self._skipped = False
-        #: full collections this rank ran at agreed steps (with gc_sync_freeze, the take-over's too)
+        #: full collections this rank ran at agreed steps (with gc_sync.freeze, the take-over's too)
         self.synchronized = 0
         #: of those, how many this rank was due itself (its own collector would have run one)
         self.due_self = 0
@@ -119,7 +119,7 @@ class GcSync:
         """Step number ``index`` (0-based, counted by the Pacer: the same on every rank), labelled
         ``step``, has begun: take over at the end of warm-up, or run the collection a window decided."""
         if self._saved is None:
-            if index >= self.config.gc_sync_warmup_steps and not self._skipped:
+            if index >= self.config.gc_sync.warmup_steps and not self._skipped:
                 self._take_over(step)
             return
         if self._collect_next:
@@ -145,7 +145,7 @@ class GcSync:
         """The window's decision (identical on every rank); a collection runs at the next step's start."""
         if self._saved is None:
             return None
-        decision = collect_decision(gathered, after_step, self.config.gc_sync_due_fraction)
+        decision = collect_decision(gathered, after_step, self.config.gc_sync.due_fraction)
         if decision is not None:
             self._collect_next = True
         return decision
@@ -162,15 +162,15 @@ class GcSync:
         self._third_threshold = self._saved.threshold[_OLDEST]
         self._frozen_before = gc.get_freeze_count()
         gc.callbacks.append(self._hook)
-        if self.config.gc_sync_freeze and self._frozen_before == 0:
+        if self.config.gc_sync.freeze and self._frozen_before == 0:
             # Collect first (at the same step on every rank), so that no garbage is frozen for good.
             self._collect(step, decided=False)
             gc.freeze()
             self._froze = self._froze_once = True
             self._long_lived = 0  # what a full collection scans from now on
         else:
-            if self.config.gc_sync_freeze:  # unfreezing at the end would undo someone else's freeze
-                log.warning("pace_strategy: gc_sync_freeze skipped: objects are frozen already")
+            if self.config.gc_sync.freeze:  # unfreezing at the end would undo someone else's freeze
+                log.warning("pace_strategy: gc_sync.freeze skipped: objects are frozen already")
             # No collection here (it would cost a light job a full pause for nothing): the old
             # generation is counted once, and promotions from now on. CPython's own pending count
             # is not readable, so this rank's first due comes up to one cycle later than its
@@ -181,7 +181,7 @@ class GcSync:
 
     def _collect(self, step: int, decided: bool = True) -> None:
         self.synchronized += 1
-        if decided and self.due() >= self.config.gc_sync_due_fraction:
+        if decided and self.due() >= self.config.gc_sync.due_fraction:
             self.due_self += 1
         self.collected_at.append(step)
         self._ours = True

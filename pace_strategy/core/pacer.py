@@ -100,7 +100,7 @@ class WindowResult:
     stats: WindowStats
     decision: Decision
     warnings: tuple[str, ...] = ()  #: straggler warnings to log (rate-limited)
-    #: the rebalancing decision (``None``: no share schedule attached, or ``config.rebalance`` off)
+    #: the rebalancing decision (``None``: no share schedule attached, or ``config.rebalance.enabled`` off)
     rebalance: RebalanceDecision | None = None
 
 
@@ -159,7 +159,7 @@ class Pacer:
         self._last_label = -1
         self._shares: ShareSchedule | None = None
         self._lookahead_steps = 0
-        #: decides the shares when ``config.rebalance`` and a schedule is attached (``attach_shares``)
+        #: decides the shares when ``config.rebalance.enabled`` and a schedule is attached (``attach_shares``)
         self.rebalance: RebalancePolicy | None = None
         self._rebalance_state: Mapping[str, Any] | None = None  # restored before attach_shares: kept
         self._warned_no_shares = False
@@ -234,7 +234,7 @@ class Pacer:
         """Attach the share schedule the data pipeline reads; the integration calls it once, before the
         first step.
 
-        With ``config.rebalance``, every rank takes the same rebalancing decision from each gathered
+        With ``config.rebalance.enabled``, every rank takes the same rebalancing decision from each gathered
         window and adds a new split to ``schedule`` from the first window boundary at least
         ``lookahead_steps + 2`` steps after the step at which it is decided. Schedule steps are the
         step labels given to :meth:`begin_step` (the global optimizer step).
@@ -253,7 +253,7 @@ class Pacer:
             raise ValueError(f"lookahead_steps must be an integer >= 0, got {lookahead_steps!r}")
         self._shares = schedule
         self._lookahead_steps = lookahead_steps
-        if self.config.rebalance:
+        if self.config.rebalance.enabled:
             current = schedule.current
             self.rebalance = RebalancePolicy(
                 self.config, schedule.global_batch, self.world_size, current.samples, current.from_step
@@ -676,7 +676,7 @@ class Pacer:
     def _rebalance_window(self, gathered: torch.Tensor) -> RebalanceDecision | None:
         """The rebalancing decision of one window; a new split goes into the schedule."""
         if self.rebalance is None or self._shares is None:
-            if self.config.rebalance and not self._warned_no_shares:
+            if self.config.rebalance.enabled and not self._warned_no_shares:
                 self._warned_no_shares = True
                 log.warning(
                     "pace_strategy: rebalance=True but no share schedule is attached (the integration "

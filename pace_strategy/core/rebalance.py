@@ -66,7 +66,7 @@ __all__ = [
 #: what the framework allocates outside the step
 MEMORY_LIMIT_FRACTION = 0.9
 
-#: ``rebalance_quantum="auto"``: the quantum is 8 where the even share is at least this many samples
+#: ``rebalance.quantum="auto"``: the quantum is 8 where the even share is at least this many samples
 _AUTO_QUANTUM_FULL_SHARE = 64
 _AUTO_QUANTUM = 8
 
@@ -210,8 +210,8 @@ def best_split(
     units, rest = divmod(global_batch, quantum)
     if units < world:
         raise PacingConfigError(
-            f"PacingConfig.rebalance_quantum={quantum} x {world} ranks is more than the global batch of "
-            f"{global_batch} samples: every rank needs at least one quantum. Lower rebalance_quantum "
+            f"PacingConfig.rebalance.quantum={quantum} x {world} ranks is more than the global batch of "
+            f"{global_batch} samples: every rank needs at least one quantum. Lower rebalance.quantum "
             f"to at most {global_batch // world}."
         )
     t = [float(v) for v in per_sample_ms]
@@ -284,8 +284,8 @@ class RebalancePolicy:
         self.config = config
         self.global_batch = global_batch
         self.world_size = world_size
-        #: samples per quantum (``rebalance_quantum``, or what ``"auto"`` gives for this batch)
-        self.quantum = resolve_quantum(config.rebalance_quantum, global_batch, world_size)
+        #: samples per quantum (``rebalance.quantum``, or what ``"auto"`` gives for this batch)
+        self.quantum = resolve_quantum(config.rebalance.quantum, global_batch, world_size)
         best_split([1.0] * world_size, global_batch, self.quantum)  # N >= W quanta, or fail now
         self.even = even_shares(global_batch, world_size)
         self.state = RebalanceState.WATCH
@@ -303,7 +303,7 @@ class RebalancePolicy:
         self._noise_ms = 0.0
         self._state_windows = 0  #: windows spent in the current COOLDOWN
         self._failed = 0  #: reverted trials in a row
-        self._cooldown_len = config.rebalance_cooldown_windows
+        self._cooldown_len = config.rebalance.cooldown_windows
         self._last = RebalanceDecision(-1, self.state, self._shares, "start: even split")
 
     @property
@@ -355,7 +355,7 @@ class RebalancePolicy:
             return self._update_trial(window, m, from_step)
         if not m.paced:
             self._baseline.append(m.step_ms)
-            del self._baseline[: -max(self.config.ab_windows, self.config.rebalance_persist_windows)]
+            del self._baseline[: -max(self.config.ab_windows, self.config.rebalance.persist_windows)]
         if self.state is RebalanceState.COOLDOWN:
             return self._update_cooldown(window, m)
         return self._update_watch(window, m, from_step)
@@ -370,15 +370,15 @@ class RebalancePolicy:
             f"mean per-sample compute {_ms(m.per_sample_ms)} ms at {list(self._shares)}; best split "
             f"{list(shares)} saves {saving:.2f} of {m.step_ms:.2f} ms{memory}"
         )
-        if shares == self._shares or saving < cfg.rebalance_min_imbalance * m.step_ms:
+        if shares == self._shares or saving < cfg.rebalance.min_imbalance * m.step_ms:
             self._streak = []
             return self._set(window, RebalanceState.WATCH, f"balanced: {note}", m)
         self._streak.append(m)
-        if len(self._streak) < cfg.rebalance_persist_windows or not self._baseline:
+        if len(self._streak) < cfg.rebalance.persist_windows or not self._baseline:
             return self._set(
                 window,
                 RebalanceState.WATCH,
-                f"imbalanced {len(self._streak)}/{cfg.rebalance_persist_windows} windows: {note}",
+                f"imbalanced {len(self._streak)}/{cfg.rebalance.persist_windows} windows: {note}",
                 m,
             )
         # The split comes from the streak's median per-sample times: one odd window cannot set it.
@@ -388,7 +388,7 @@ class RebalancePolicy:
         step_ms = statistics.median(w.step_ms for w in self._streak)
         shares, saving, memory = self._proposal(per_sample, compute, wait, m.batches, m.mem_peak)
         self._streak = []
-        if shares == self._shares or saving < cfg.rebalance_min_imbalance * step_ms:
+        if shares == self._shares or saving < cfg.rebalance.min_imbalance * step_ms:
             return self._set(window, RebalanceState.WATCH, f"balanced over the streak: {note}", m)
         self._baseline_ms = statistics.median(self._baseline[-cfg.ab_windows :])
         self._noise_ms = ab_noise_ms(self._baseline, cfg.ab_windows)
@@ -398,7 +398,7 @@ class RebalancePolicy:
         return self._set(
             window,
             RebalanceState.TRIAL,
-            f"imbalanced for {cfg.rebalance_persist_windows} windows (mean per-sample compute "
+            f"imbalanced for {cfg.rebalance.persist_windows} windows (mean per-sample compute "
             f"{_ms(per_sample)} ms): split {list(self._previous)} -> {list(shares)} from step {from_step}, "
             f"predicted to save {saving:.2f} ms of {step_ms:.2f}{memory}; A/B trial against "
             f"{self._baseline_ms:.2f} ms",
@@ -424,7 +424,7 @@ class RebalancePolicy:
         path, a data stall) keeps the step long whatever the split: the arrival prediction says so,
         and the split, which only per-sample compute sets, never moves work because of it.
         """
-        n, q, most = self.global_batch, self.quantum, self.config.rebalance_max_share
+        n, q, most = self.global_batch, self.quantum, self.config.rebalance.max_share
         free, slowest_ms = best_split(per_sample_ms, n, q, most)
         caps = memory_caps(mem_peak, self._shares) if any(v > 0 for v in mem_peak) else None
         memory = ""
@@ -450,7 +450,7 @@ class RebalancePolicy:
         cfg = self.config
         if m.paced:  # pacing delays in the window: its step time says nothing about the split
             self._paced_in_trial += 1
-            if self._paced_in_trial < cfg.rebalance_persist_windows + cfg.ab_windows:
+            if self._paced_in_trial < cfg.rebalance.persist_windows + cfg.ab_windows:
                 return self._keep(window, "trial: a paced window is not counted")
             return self._revert(
                 window,
@@ -473,7 +473,7 @@ class RebalancePolicy:
         )
         realized = sum(self._before_compute[r] - after[r] for r in fell)
         scaling = realized / predicted if predicted > 0 else 1.0
-        if scaling < cfg.rebalance_min_scaling:
+        if scaling < cfg.rebalance.min_scaling:
             ranks = ", ".join(map(str, fell))
             return self._revert(
                 window,
@@ -482,7 +482,7 @@ class RebalancePolicy:
                 trial_ms,
                 f"the compute of rank(s) {ranks}, whose share fell, dropped {realized:.2f} ms where "
                 f"{predicted:.2f} ms was predicted from the per-sample time ({scaling:.0%}, needs "
-                f"{cfg.rebalance_min_scaling:.0%}): a fixed per-step cost, which fewer samples "
+                f"{cfg.rebalance.min_scaling:.0%}): a fixed per-step cost, which fewer samples "
                 "cannot shorten",
             )
         needed = ab_gain_needed_ms(cfg, base, self._noise_ms)
@@ -497,7 +497,7 @@ class RebalancePolicy:
                 f"the comparison's noise {self._noise_ms:.2f} ms)",
             )
         self._failed = 0
-        self._cooldown_len = cfg.rebalance_cooldown_windows
+        self._cooldown_len = cfg.rebalance.cooldown_windows
         self._baseline = [w.step_ms for w in self._trial]  # the kept split's windows are its baseline
         self._trial = []
         return self._set(
@@ -528,9 +528,9 @@ class RebalancePolicy:
         self._cooldown_len = next_cooldown_windows(
             self._cooldown_len,
             self._failed,
-            cfg.rebalance_cooldown_windows,
+            cfg.rebalance.cooldown_windows,
             cfg.cooldown_growth,
-            max(cfg.max_cooldown_windows, cfg.rebalance_cooldown_windows),
+            max(cfg.max_cooldown_windows, cfg.rebalance.cooldown_windows),
         )
         self._failed += 1
         self._state_windows = 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pace_strategy.core.config import recorded_switch
 from pace_strategy.diagnose.result import Finding, Mode, pct
 from pace_strategy.diagnose.run_stats import EPSILON, MIN_RANKS, RunStats
 
@@ -90,7 +91,7 @@ def gc_pauses(run: RunStats, explained: set[int]) -> list[Finding]:
                     else ""
                 )
             ),
-            action=_action(run, synced=bool((a.header.get("config") or {}).get("gc_sync"))),
+            action=_action(run, synced=recorded_switch(a.header.get("config"), "gc_sync")),
             details={
                 "explained_share": share,
                 "gc_steps": int(by_gc.sum()),
@@ -106,7 +107,7 @@ def gc_pauses(run: RunStats, explained: set[int]) -> list[Finding]:
 
 def _action(run: RunStats, synced: bool) -> str:
     freeze = (
-        "gc_sync_freeze=True (or gc.freeze() after start-up) so that full collections skip the "
+        "gc_sync.freeze=True (or gc.freeze() after start-up) so that full collections skip the "
         "long-lived heap built at start-up (frozen objects are never collected)"
     )
     if synced:

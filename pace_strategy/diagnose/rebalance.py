@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from pace_strategy.core.config import recorded_switch
 from pace_strategy.diagnose.result import pct
 from pace_strategy.telemetry.arrays import RunArrays
 
@@ -75,8 +76,7 @@ class RebalanceOutcome:
 
 def rebalance_outcome(a: RunArrays) -> RebalanceOutcome | None:
     """The run's rebalancing, or ``None`` when it was off and left no ``shares`` line."""
-    config = a.header.get("config", {})
-    enabled = bool(config.get("rebalance", False)) if isinstance(config, dict) else False
+    enabled = recorded_switch(a.header.get("config"), "rebalance")
     lines = a.shares
     if not enabled and not lines:
         return None

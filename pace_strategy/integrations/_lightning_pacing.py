@@ -257,7 +257,7 @@ class StrategyPacing(PacingDriver):
         session = self.start()
         if session is not None:
             attach_paced_ddp(model, session.pacer, inner_hook, user_hook.state)
-            if self.config.rebalance:
+            if self.config.rebalance.enabled:
                 self.rebalance = self._data_rebalance(session)
                 session.register_state(STATE_NAME, self.rebalance)
         elif inner_hook is not None:
@@ -270,7 +270,7 @@ class StrategyPacing(PacingDriver):
 
         model = self._strategy.model
         assert model is not None, "ModelParallelStrategy.setup keeps the (sharded) model"
-        if self.config.rebalance:
+        if self.config.rebalance.enabled:
             raise PacingConfigError(
                 "rebalance=True is supported with paced_ddp (and paced_ddp_spawn), not paced_fsdp yet; "
                 "use paced_ddp or set rebalance=False."

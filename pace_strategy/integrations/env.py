@@ -23,11 +23,12 @@ import os
 import re
 import time
 import typing
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from pace_strategy.core.config import PacingConfig, check_known_keys
+from pace_strategy.core.config import FLAT_NAMES, GROUPS, PacingConfig, check_known_keys
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.settings import build
 
@@ -56,20 +57,48 @@ NON_CONFIG_ENV = ("PACE_HOSTNAME", "PACE_LOG_LEVEL", RUN_DIR_ENV, "PACE_CONFIG_S
 
 
 def env_name(field: str) -> str:
-    """``max_delay_ms`` -> ``PACE_MAX_DELAY_MS``."""
-    return f"{ENV_PREFIX}{field.upper()}"
+    """``max_delay_ms`` -> ``PACE_MAX_DELAY_MS``; a group's field ``rebalance.quantum`` ->
+    ``PACE_REBALANCE__QUANTUM`` (two underscores for the dot)."""
+    return ENV_PREFIX + field.replace(".", "__").upper()
+
+
+#: the groups a bare switch stands for (``PACE_REBALANCE=1``: ``rebalance.enabled``)
+_SWITCHES = ("rebalance", "gc_sync")
+
+
+def _env_fields() -> dict[str, str]:
+    """Every variable the contract reads -> the field it sets (``name`` or ``group.name``)."""
+    out = {env_name(name): name for name in PacingConfig.dotted_fields()}
+    out.update((env_name(group), f"{group}.enabled") for group in _SWITCHES)
+    return out
+
+
+#: the flat variables of earlier versions (``PACE_REBALANCE_QUANTUM``) -> the field they set
+_LEGACY_ENV = {env_name(flat): f"{group}.{key}" for flat, (group, key) in FLAT_NAMES.items()}
 
 
 def _config(values: Mapping[str, Any]) -> PacingConfig:
+    values = PacingConfig.normalize_mapping(values)
     check_known_keys(values, PacingConfig.field_names(), "pacing config field")
     return build(PacingConfig, values)
 
 
 def config_to_env(values: Mapping[str, Any]) -> dict[str, str]:
-    """``{"max_delay_ms": 20}`` -> ``{"PACE_MAX_DELAY_MS": "20"}``, validated first (strings as they
-    are, everything else as JSON), so that :func:`config_from_env` reads back the same config."""
+    """``{"max_delay_ms": 20, "rebalance": {"quantum": 4}}`` -> ``{"PACE_MAX_DELAY_MS": "20",
+    "PACE_REBALANCE__QUANTUM": "4"}``, validated first (strings as they are, everything else as
+    JSON), so that :func:`config_from_env` reads back the same config."""
     _config(values)
-    return {env_name(k): v if isinstance(v, str) else json.dumps(v) for k, v in values.items()}
+    out: dict[str, str] = {}
+    for key, value in PacingConfig.normalize_mapping(values).items():
+        if key in GROUPS and isinstance(value, Mapping):
+            out.update((env_name(f"{key}.{k}"), _encode(v)) for k, v in value.items())
+        else:
+            out[env_name(key)] = _encode(value)
+    return out
+
+
+def _encode(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 #: how a switch is spelled in an environment variable (``PACE_RUN_RECORD=0``)
@@ -77,7 +106,10 @@ _SWITCH_WORDS = {"1": True, "0": False, "true": True, "false": False}
 
 
 def _decode(field: str, text: str) -> Any:
-    if typing.get_type_hints(PacingConfig)[field] is bool:
+    """``text`` of the variable for ``field`` (``name`` or ``group.name``) as the value it means."""
+    group, _, name = field.rpartition(".")
+    hints = typing.get_type_hints(GROUPS[group] if group else PacingConfig)
+    if hints[name] is bool:
         return _SWITCH_WORDS.get(text.strip().lower(), text)  # another word: validation names it
     try:
         return json.loads(text)
@@ -95,13 +127,32 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> PacingConfig | 
     names = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in NON_CONFIG_ENV)
     if not names:
         return None
-    fields = {env_name(f): f for f in PacingConfig.field_names()}
-    check_known_keys(names, list(fields), "pacing environment variable")
+    fields = _env_fields()
+    check_known_keys([n for n in names if n not in _LEGACY_ENV], list(fields), "pacing environment variable")
+    values: dict[str, Any] = {}
+    for n in names:
+        field = fields.get(n) or _LEGACY_ENV[n]
+        if n in _LEGACY_ENV:
+            warnings.warn(
+                f"pace_strategy: the environment variable {n} is deprecated; use {env_name(field)}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        group, _, name = field.rpartition(".")
+        target = values.setdefault(group, {}) if group else values
+        if name in target:
+            both = [k for k in names if (fields.get(k) or _LEGACY_ENV[k]) == field]
+            raise PacingConfigError(
+                f"environment variables {', '.join(both)} all set {field}: keep {env_name(field)} only."
+            )
+        target[name] = _decode(field, environ[n])
     try:
-        return _config({fields[n]: _decode(fields[n], environ[n]) for n in names})
+        return _config(values)
     except PacingConfigError as error:
-        named = [n for n in names if re.search(rf"\b{fields[n]}\b", str(error))] or names
-        where = ", ".join(f"{n}={environ[n]!r}" for n in named)
+        named = [
+            n for n in names if re.search(rf"\b{re.escape(fields.get(n) or _LEGACY_ENV[n])}\b", str(error))
+        ]
+        where = ", ".join(f"{n}={environ[n]!r}" for n in named or names)
         raise PacingConfigError(f"environment variable {where}: {error}") from None
 
 

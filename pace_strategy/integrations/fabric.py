@@ -143,7 +143,7 @@ class FabricPacing(PacingDriver):
         """With ``rebalance=True`` on two or more processes: ``dataloader`` rebuilt around the
         rebalancing batch sampler (every loader set up is taken for a training loader: set up
         evaluation loaders with ``use_distributed_sampler=False`` or through another strategy)."""
-        if not self.config.rebalance or strategy.world_size < 2:
+        if not self.config.rebalance.enabled or strategy.world_size < 2:
             return dataloader
         if self.rebalance is None:
             self.rebalance = DataRebalance(

@@ -191,7 +191,7 @@ def attach(
     pace = Pace(model, config, session)
     try:
         if fsdp:
-            if config.rebalance:
+            if config.rebalance.enabled:
                 raise PacingConfigError(
                     "rebalance=True is supported with DDP, not FSDP yet; set rebalance=False for this model."
                 )
@@ -201,7 +201,7 @@ def attach(
             pace.on_detach(functools.partial(unregister_paced_collectives, model))
         else:
             assert isinstance(model, DistributedDataParallel)
-            if config.rebalance:  # the share factor goes on the gradient, in the comm hook
+            if config.rebalance.enabled:  # the share factor goes on the gradient, in the comm hook
                 rebalance = pace._rebalance()
                 pace.on_detach(
                     attach_paced_ddp(model, session.pacer, share_scaled_allreduce, rebalance).remove

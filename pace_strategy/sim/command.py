@@ -162,7 +162,7 @@ def _from_run(args: argparse.Namespace) -> int:
     arrays = load_arrays(args.from_run)
     cal = fit(arrays)
     ranks = [int(x) for x in args.ranks.split(",") if x] or [cal.ranks, cal.ranks * 16, cal.ranks * 128]
-    recorded = PacingConfig.from_dict(arrays.header.get("config") or {})
+    recorded = PacingConfig.from_dict(arrays.header.get("config") or {}, warn=False)  # any version's record
     # what-if "pacing on": the recorded controller settings, in adaptive mode whatever the run used
     pacing = recorded.replace(mode="adaptive")
     k = pacing.exchange_every_steps

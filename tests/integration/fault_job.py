@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from pace_strategy import PacingConfig, attach_paced_ddp
+from pace_strategy import HangConfig, PacingConfig, attach_paced_ddp
 from pace_strategy.session import PacingSession
 from pace_strategy.shutdown import leave_without_finalization
 
@@ -90,8 +90,7 @@ def main() -> None:
         mode="monitor",
         exchange_every_steps=4,
         warmup_steps=1,
-        hang_timeout_s=args.hang_timeout,
-        hang_action=args.hang_action,
+        hang=HangConfig(timeout_s=args.hang_timeout, action=args.hang_action),
     )
     session = PacingSession.with_side_group(
         config,

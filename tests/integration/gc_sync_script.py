@@ -34,8 +34,7 @@ def main(out: Path) -> None:
             "model": {"compute_ms": 5.0, "gc_heap_objects": HEAP, "gc_garbage_objects": GARBAGE},
             "output": {"root": str(out / "runs"), "name": "gc"},
             "pacing": {
-                "gc_sync": True,
-                "gc_sync_warmup_steps": 5,
+                "gc_sync": {"enabled": True, "warmup_steps": 5},
                 "exchange_every_steps": 8,
                 "warmup_steps": 2,
             },

@@ -1,5 +1,5 @@
 """A 2-process Lightning job (the default subprocess launcher: rank 0 is the parent of rank 1) with
-``hang_timeout_s`` 3 s, for test_hang_ends.py. Each rank writes ``OUT/reached{rank}`` (its pid) at step
+``hang.timeout_s`` 3 s, for test_hang_ends.py. Each rank writes ``OUT/reached{rank}`` (its pid) at step
 6 and trains on for minutes; the test SIGSTOPs rank 1.
 
     python hang_lightning_job.py OUT
@@ -38,7 +38,7 @@ class Module(pl.LightningModule):
 def main(out: Path) -> None:
     torch.set_num_threads(1)
     trainer = pl.Trainer(
-        strategy=PacedDDPStrategy(pacing={"mode": "monitor", "hang_timeout_s": 3.0}),
+        strategy=PacedDDPStrategy(pacing={"mode": "monitor", "hang": {"timeout_s": 3.0}}),
         accelerator="cpu",
         devices=2,
         max_steps=100_000,

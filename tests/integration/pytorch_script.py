@@ -33,7 +33,7 @@ from pace_strategy.testing.slow import InjectionPoint
 
 STEPS, BATCH, SLOW_MS = 16, 8, 30.0
 PACING = {"mode": "monitor", "exchange_every_steps": 4, "warmup_steps": 2}
-REBALANCE = {**PACING, "rebalance": True, "rebalance_quantum": 2, "rebalance_persist_windows": 1}
+REBALANCE = {**PACING, "rebalance": {"enabled": True, "quantum": 2, "persist_windows": 1}}
 REBALANCE_STEPS, MS_PER_SAMPLE = 32, 3.0
 
 

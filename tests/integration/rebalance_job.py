@@ -42,7 +42,7 @@ ENTRIES = ((3, (12, 4)), (9, (3, 13)))
 #: the "resumed" fit continues from there
 SAVE_AT = 5
 #: rebalancing on, its own decision held off (only the fixed entries apply)
-PACING = {"rebalance": True, "rebalance_persist_windows": 10_000, "exchange_every_steps": 4}
+PACING = {"rebalance": {"enabled": True, "persist_windows": 10_000}, "exchange_every_steps": 4}
 
 
 def dataset() -> TensorDataset:
@@ -265,7 +265,11 @@ def trainer_fit(out: Path, name: str, mean_loss: bool) -> None:
         use_cpu=True, disable_tqdm=True, dataloader_drop_last=True, seed=3,
     )  # fmt: skip
     trainer = Trainer(model=model, args=args, train_dataset=token_dataset())
-    pacing = PacingCallback(trainer, PacingConfig(**PACING, rebalance_quantum=1), run_dir=out / name)
+    pacing = PacingCallback(
+        trainer,
+        PacingConfig.from_dict({**PACING, "rebalance": {**PACING["rebalance"], "quantum": 1}}),
+        run_dir=out / name,
+    )
     trainer.add_callback(pacing)
 
     class FixedTrainerShares(TrainerCallback):  # after PacingCallback: its on_train_begin attached

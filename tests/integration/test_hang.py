@@ -3,7 +3,7 @@
 Three real gloo jobs run at once, shared by every test below (one module-scoped fixture): three
 ranks, one SIGSTOPped by the test (heartbeat stopped); two ranks, one asleep in its data loader
 (heartbeat live); two ranks, one in a Python deadlock (a lock another thread holds; heartbeat live).
-All use ``hang_timeout_s=3`` and a 60 s process-group timeout: only the watchdog can end them within
+All use ``hang.timeout_s=3`` and a 60 s process-group timeout: only the watchdog can end them within
 the test. The store lives in the test process, as torchrun's agent hosts it.
 """
 

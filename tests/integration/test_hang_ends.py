@@ -1,6 +1,6 @@
 """A hung job ends: a SIGSTOPped rank (its heartbeat stops; it ignores every signal but SIGKILL and
 keeps its launcher's pipes open) is ended by the healthy rank on its host, so the whole job exits
-non-zero within ``hang_timeout_s + 30 s`` and leaves no process behind; under Lightning's subprocess
+non-zero within ``hang.timeout_s + 30 s`` and leaves no process behind; under Lightning's subprocess
 launcher (rank 0 is rank 1's parent) and under torchrun (its agent sees the workers fail). Both jobs
 run at once (one module-scoped fixture)."""
 

@@ -65,7 +65,7 @@ def test_the_thresholds_decide(arrays):
 def test_with_gc_sync_on_the_action_is_short_pauses_not_gc_sync(arrays):
     header = {**arrays.header, "config": {**arrays.header["config"], "gc_sync": True}}
     (finding,) = gc_pauses(RunStats(dataclasses.replace(arrays, header=header), DiagnosisConfig()), set())
-    assert "gc_sync is on" in finding.action and "gc_sync_freeze=True" in finding.action
+    assert "gc_sync is on" in finding.action and "gc_sync.freeze=True" in finding.action
 
 
 def test_a_pause_the_device_hid_is_not_blamed_on_the_collector(arrays):

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from pace_strategy.core.config import PacingConfig
+from pace_strategy.core.config import GcSyncConfig, PacingConfig
 from pace_strategy.core.gc_monitor import GcMonitor
 from pace_strategy.core.pacer import Pacer
 from pace_strategy.core.records import Field
@@ -100,7 +100,7 @@ def _step(session: PacingSession, step: int) -> None:
 @pytest.mark.parametrize("freeze", [False, True])
 def test_a_failed_run_restores_the_collector(tmp_path, freeze):
     callbacks_before, threshold_before = list(gc.callbacks), gc.get_threshold()
-    session = _session(tmp_path, gc_sync=True, gc_sync_warmup_steps=2, gc_sync_freeze=freeze)
+    session = _session(tmp_path, gc_sync=GcSyncConfig(enabled=True, warmup_steps=2, freeze=freeze))
     for step in range(4):
         _step(session, step)
     assert session.pacer.gc_sync is not None and session.pacer.gc_sync.active
@@ -116,7 +116,7 @@ def test_a_failed_run_restores_the_collector(tmp_path, freeze):
 
 def test_a_completed_run_restores_the_collector_and_reports_every_rank(tmp_path):
     threshold_before = gc.get_threshold()
-    session = _session(tmp_path, gc_sync=True, gc_sync_warmup_steps=1)
+    session = _session(tmp_path, gc_sync=GcSyncConfig(enabled=True, warmup_steps=1))
     for step in range(6):
         _step(session, step)
     session.finish()

@@ -9,7 +9,7 @@ from collections import deque
 import pytest
 import torch
 
-from pace_strategy.core.config import PacingConfig
+from pace_strategy.core.config import GcSyncConfig, PacingConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.gc_monitor import GcMonitor
 from pace_strategy.core.gc_sync import GcSync, collect_decision
@@ -48,7 +48,9 @@ def test_every_rank_reaches_the_same_decision_from_the_same_gathered_window():
 def test_the_pacers_window_decision_carries_the_collection():
     threshold = gc.get_threshold()
     pacer = Pacer(PacingConfig(exchange_every_steps=2, warmup_steps=0, gc_sync=True), None, 0, 1)
-    sync = GcSync(pacer.config.replace(gc_sync_warmup_steps=0))
+    sync = GcSync(
+        pacer.config.replace(gc_sync=GcSyncConfig(enabled=pacer.config.gc_sync.enabled, warmup_steps=0))
+    )
     pacer.gc_sync = sync
     try:
         sync.begin_step(0, 0)  # take over
@@ -120,7 +122,7 @@ def test_never_more_often_than_the_automatic_collector_and_memory_stays_bounded(
         base = len(gc.get_objects())
         auto_full, auto_peak = _run(_Job(heap, garbage), steps, None, window)
         gc.collect()
-        sync = GcSync(PacingConfig(gc_sync=True, gc_sync_warmup_steps=0))
+        sync = GcSync(PacingConfig(gc_sync=GcSyncConfig(enabled=True, warmup_steps=0)))
         sync_full, sync_peak = _run(_Job(heap, garbage), steps, sync, window)
     finally:
         gc.unfreeze()
@@ -137,7 +139,7 @@ def test_never_more_often_than_the_automatic_collector_and_memory_stays_bounded(
 def test_a_disabled_collector_is_left_alone(caplog):
     gc.disable()
     try:
-        sync = GcSync(PacingConfig(gc_sync=True, gc_sync_warmup_steps=0))
+        sync = GcSync(PacingConfig(gc_sync=GcSyncConfig(enabled=True, warmup_steps=0)))
         sync.begin_step(0, 0)
         assert not sync.active and sync.due() == 0.0 and "disabled" in caplog.text
         sync.restore()
@@ -148,15 +150,15 @@ def test_a_disabled_collector_is_left_alone(caplog):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("gc_sync", 1), ("gc_sync_freeze", "yes"), ("gc_sync_warmup_steps", -1), ("gc_sync_due_fraction", 0.0)],
+    [("enabled", 1), ("freeze", "yes"), ("warmup_steps", -1), ("due_fraction", 0.0)],
 )
 def test_bad_gc_sync_settings_fail_at_start_naming_the_field(field, value):
-    with pytest.raises(PacingConfigError, match=field):
-        PacingConfig(**{field: value})
+    with pytest.raises(PacingConfigError, match=rf"PacingConfig\.gc_sync\.{field}="):
+        PacingConfig(gc_sync={field: value})
 
 
 def test_a_full_collection_by_user_code_is_counted_and_resets_the_due_fraction():
-    sync = GcSync(PacingConfig(gc_sync=True, gc_sync_warmup_steps=0))
+    sync = GcSync(PacingConfig(gc_sync=GcSyncConfig(enabled=True, warmup_steps=0)))
     job = _Job(1_000, 4_000)
     try:
         sync.begin_step(0, 0)

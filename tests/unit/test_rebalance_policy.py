@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pace_strategy.core.clock import ManualClock
-from pace_strategy.core.config import PacingConfig
+from pace_strategy.core.config import PacingConfig, RebalanceConfig
 from pace_strategy.core.errors import PaceDistributedError, PacingConfigError
 from pace_strategy.core.pacer import Pacer
 from pace_strategy.core.rebalance import (
@@ -48,12 +48,11 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 K = 8  # steps per window: short windows keep the loops short
 CFG = PacingConfig(
     mode="monitor",  # pacing stays out of the way; rebalancing works beside any mode
-    rebalance=True,
+    # the arithmetic below is pinned in quanta of 8 ("auto" would take 4 here)
+    rebalance=RebalanceConfig(enabled=True, cooldown_windows=4, quantum=8),
     exchange_every_steps=K,
     warmup_steps=2,
-    rebalance_cooldown_windows=4,
     max_cooldown_windows=16,
-    rebalance_quantum=8,  # the arithmetic below is pinned in quanta of 8 ("auto" would take 4 here)
 )
 
 
@@ -70,7 +69,7 @@ def test_best_split_is_proportional_to_speed_in_whole_quanta():
 
 
 def test_best_split_refuses_a_batch_smaller_than_one_quantum_per_rank():
-    with pytest.raises(PacingConfigError, match=r"rebalance_quantum=8 x 4 ranks.*at most 4"):
+    with pytest.raises(PacingConfigError, match=r"rebalance\.quantum=8 x 4 ranks.*at most 4"):
         best_split([1.0] * 4, 16, 8)
 
 
@@ -122,7 +121,7 @@ def feed(policy, windows, *, start=0):
 def test_a_persistent_imbalance_is_tried_only_after_it_persists(batches):
     policy = RebalancePolicy(CFG, 64, 2)
     slow = [
-        window(i * K, (32, 32), (16.0, 32.0), batches=batches) for i in range(CFG.rebalance_persist_windows)
+        window(i * K, (32, 32), (16.0, 32.0), batches=batches) for i in range(CFG.rebalance.persist_windows)
     ]
     decisions = feed(policy, slow)
     assert [d.state for d in decisions] == [RebalanceState.WATCH] * 2 + [RebalanceState.TRIAL]
@@ -181,7 +180,7 @@ def test_a_split_that_does_not_shorten_the_step_is_reverted():
 def test_a_trial_that_pacing_never_leaves_is_reverted():
     policy = RebalancePolicy(CFG, 64, 2)
     feed(policy, [window(i * K, (32, 32), (16.0, 32.0), step_ms=40.0) for i in range(3)])
-    limit = CFG.rebalance_persist_windows + CFG.ab_windows
+    limit = CFG.rebalance.persist_windows + CFG.ab_windows
     paced = [window((3 + i) * K, (40, 24), (20.0, 24.0), step_ms=30.0, delay_ms=2.0) for i in range(limit)]
     decisions = feed(policy, paced, start=3)
     assert all(d.state is RebalanceState.TRIAL for d in decisions[:-1])
@@ -209,35 +208,37 @@ def test_state_dict_round_trip_takes_the_same_decisions():
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("rebalance", 1),
-        ("rebalance_quantum", 0),
-        ("rebalance_min_imbalance", 0.0),
-        ("rebalance_persist_windows", 0),
-        ("rebalance_min_scaling", 1.5),
-        ("rebalance_cooldown_windows", -1),
+        ("enabled", 1),
+        ("quantum", 0),
+        ("min_imbalance", 0.0),
+        ("persist_windows", 0),
+        ("min_scaling", 1.5),
+        ("cooldown_windows", -1),
     ],
 )
 def test_bad_rebalance_fields_fail_at_start_naming_the_field(field, value):
-    with pytest.raises(PacingConfigError, match=f"PacingConfig.{field}="):
-        PacingConfig(**{field: value})
+    with pytest.raises(PacingConfigError, match=rf"PacingConfig.rebalance.{field}="):
+        PacingConfig(rebalance=RebalanceConfig(**{field: value}))
+    with pytest.raises(PacingConfigError, match=rf"PacingConfig.rebalance.{field}="):  # a mapping too
+        PacingConfig(rebalance={field: value})
 
 
 def test_rebalance_reaches_the_workers_by_environment():
-    cfg = config_from_env({"PACE_REBALANCE": "1", "PACE_REBALANCE_QUANTUM": "4"})
-    assert cfg is not None and cfg.rebalance and cfg.rebalance_quantum == 4
-    with pytest.raises(PacingConfigError, match="PACE_REBALANCE_MIN_SCALING='2'"):
-        config_from_env({"PACE_REBALANCE_MIN_SCALING": "2"})
+    cfg = config_from_env({"PACE_REBALANCE": "1", "PACE_REBALANCE__QUANTUM": "4"})
+    assert cfg is not None and cfg.rebalance.enabled and cfg.rebalance.quantum == 4
+    with pytest.raises(PacingConfigError, match="PACE_REBALANCE__MIN_SCALING='2'"):
+        config_from_env({"PACE_REBALANCE__MIN_SCALING": "2"})
 
 
 def test_attach_shares_checks_the_schedule_against_the_job():
     pacer = Pacer(CFG, None, 0, 1)
     with pytest.raises(PacingConfigError, match="over 2 ranks but this job has 1"):
         pacer.attach_shares(ShareSchedule(64, 2), 2)
-    with pytest.raises(PacingConfigError, match="rebalance_quantum=8 x 1 ranks"):
+    with pytest.raises(PacingConfigError, match=r"rebalance\.quantum=8 x 1 ranks"):
         pacer.attach_shares(ShareSchedule(4, 1), 2)
     with pytest.raises(ValueError, match="lookahead_steps"):
         pacer.attach_shares(ShareSchedule(64, 1), -1)
-    plain = Pacer(dataclasses.replace(CFG, rebalance=False), None, 0, 1)
+    plain = Pacer(dataclasses.replace(CFG, rebalance=RebalanceConfig()), None, 0, 1)
     schedule = ShareSchedule(64, 1)
     plain.attach_shares(schedule, 2)
     assert plain.shares is schedule and plain.rebalance is None  # attached, but not rebalanced
@@ -539,8 +540,8 @@ def test_no_rank_takes_more_than_the_max_share_of_the_even_split():
     assert shares == (48, 16) and slowest == 1600.0  # 1.5 x the even 32: the slow rank keeps the rest
     # a cap never stops the even split: 3 ranks, 100 samples, cap rounded to at least the even quanta
     assert sum(best_split([1.0, 1.0, 9.0], 100, 8, max_share=1.0)[0]) == 100
-    with pytest.raises(PacingConfigError, match="rebalance_max_share"):
-        PacingConfig(rebalance_max_share=0.9)
+    with pytest.raises(PacingConfigError, match=r"rebalance\.max_share"):
+        PacingConfig(rebalance=RebalanceConfig(max_share=0.9))
 
 
 # ---------------------------------------------------------------------- quantum and device memory
@@ -558,21 +559,24 @@ def test_the_auto_quantum_follows_the_even_share():
         1,
         1,
     ]
-    assert RebalancePolicy(dataclasses.replace(CFG, rebalance_quantum="auto"), 64, 2).quantum == 4
+    auto = dataclasses.replace(CFG, rebalance=dataclasses.replace(CFG.rebalance, quantum="auto"))
+    assert RebalancePolicy(auto, 64, 2).quantum == 4
     # at 32 samples per rank, quanta of 8 stop at 40/24 (slowest 24 ms); quanta of 4 reach 44/20 (22 ms)
     assert best_split([0.5, 1.0], 64, 8) == ((40, 24), 24.0)
     assert best_split([0.5, 1.0], 64, 4) == ((44, 20), 22.0)
-    assert PacingConfig().rebalance_quantum == "auto"
+    assert PacingConfig().rebalance.quantum == "auto"
     for bad in (0, -8, "big", 2.5, True):
-        with pytest.raises(PacingConfigError, match=r"rebalance_quantum=.*an integer >= 1 or 'auto'"):
-            PacingConfig(rebalance_quantum=bad)
+        with pytest.raises(PacingConfigError, match=r"rebalance\.quantum=.*an integer >= 1 or 'auto'"):
+            RebalanceConfig(quantum=bad)
 
 
 def test_a_split_that_would_not_fit_the_devices_memory_is_never_proposed():
     assert memory_caps((0.72, 0.0), (32, 32)) == (40, None)  # 0.9 x 32 / 0.72; CPU: no cap
     with pytest.raises(ValueError, match="do not hold"):
         best_split([1.0, 1.0], 64, 8, caps=(16, 16))
-    policy = RebalancePolicy(dataclasses.replace(CFG, rebalance_max_share=4.0), 64, 2)
+    policy = RebalancePolicy(
+        dataclasses.replace(CFG, rebalance=dataclasses.replace(CFG.rebalance, max_share=4.0)), 64, 2
+    )
     # rank 1 is 3x slower per sample: free, the split would go to 48/16; rank 0's device is at 72%
     windows = [window(i * K, (32, 32), (16.0, 48.0)) for i in range(3)]
     for g in windows:
@@ -584,7 +588,9 @@ def test_a_split_that_would_not_fit_the_devices_memory_is_never_proposed():
         trial.reason
     )
     # both devices already past the limit: no split that moves samples fits, the split stays even
-    full = RebalancePolicy(dataclasses.replace(CFG, rebalance_max_share=4.0), 64, 2)
+    full = RebalancePolicy(
+        dataclasses.replace(CFG, rebalance=dataclasses.replace(CFG.rebalance, max_share=4.0)), 64, 2
+    )
     windows = [window(i * K, (32, 32), (16.0, 48.0)) for i in range(3)]
     for g in windows:
         g[:, :, Field.MEM_PEAK] = 0.95

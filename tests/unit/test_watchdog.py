@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from pace_strategy.core.config import PacingConfig
+from pace_strategy.core.config import HangConfig, PacingConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.watchdog import HangWatchdog, RankProgress, hang_verdict, job_store, stale_after_s
 from pace_strategy.diagnose.findings import diagnose
@@ -131,13 +131,13 @@ def test_rounds_on_a_real_store_name_the_rank_whose_entry_stopped():
 
 
 def test_hang_fields_are_validated_at_start():
-    assert PacingConfig().hang_timeout_s == 120.0 and PacingConfig().hang_action == "abort"
+    assert PacingConfig().hang == HangConfig(timeout_s=120.0, action="abort")
     assert stale_after_s(120.0) == 60.0
-    with pytest.raises(PacingConfigError, match="hang_action"):
-        PacingConfig(hang_action="kill")
-    with pytest.raises(PacingConfigError, match="hang_timeout_s"):
-        PacingConfig(hang_timeout_s=-1)
-    assert PacingConfig(hang_timeout_s=0).hang_timeout_s == 0  # 0 disables
+    with pytest.raises(PacingConfigError, match=r"PacingConfig\.hang\.action="):
+        PacingConfig(hang=HangConfig(action="kill"))
+    with pytest.raises(PacingConfigError, match=r"PacingConfig\.hang\.timeout_s="):
+        PacingConfig(hang={"timeout_s": -1})
+    assert PacingConfig(hang=HangConfig(timeout_s=0)).hang.timeout_s == 0  # 0 disables
 
 
 def _write(path, restart_count: int, status: str, hang: dict | None = None) -> None:

@@ -220,7 +220,7 @@ def attach_pacing(
     _ATTACHED[id(model)] = handle
     try:
         loop = rebalance_loop or RebalanceLoop()
-        if config.rebalance:
+        if config.rebalance.enabled:
             micro_batches = loop.micro_batches or int(getattr(accelerator, "gradient_accumulation_steps", 1))
             handle.rebalance = _rebalance_data(handle, session, loaders, fsdp, micro_batches, loop.prefetch)
         scale = not loop.loss_over_global_batch
