@@ -64,7 +64,7 @@ def test_pacing_ab_smoke_run_writes_both_arms(tmp_path):
 
 
 def test_the_control_scenario_runs_plain_ddp_against_itself(tmp_path):
-    done, row, table = _smoke_run(tmp_path, "control", steps=30)
+    done, row, table = _smoke_run(tmp_path, "control", steps=20)
     progress = [line for line in done.stdout.splitlines() if line.startswith("[")]
     assert len(progress) == 2 and all(" ddp " in line and "paced_ddp" not in line for line in progress)
     assert row["candidate"] == "ddp"

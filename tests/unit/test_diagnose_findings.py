@@ -238,6 +238,21 @@ def test_a_crowded_host_does_not_hide_rotating_stragglers_each_cause_gets_its_sh
         assert p_amp["lost_fraction"] > p_host["lost_fraction"]
 
 
+def test_a_real_crowded_run_with_transient_stragglers_names_both_causes_with_their_shares():
+    # tests/fixtures/run4_transient.jsonl: a real recorded run, 4 single-threaded ranks on 2 cores,
+    # transient stragglers moving between the ranks
+    from pace_strategy.telemetry.arrays import load_arrays
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "run4_transient.jsonl"
+    d = diagnose(load_arrays(fixture), project_ranks=None)
+    assert [f.mode for f in d.findings] == ["sync_amplification", "host_oversubscription"], d.findings
+    amp, host = d.findings
+    assert amp.lost_step_fraction + host.lost_step_fraction == pytest.approx(d.stats["lost_step_fraction"])
+    assert host.lost_step_fraction == pytest.approx(d.stats["noise_floor_fraction"])
+    assert amp.lost_step_fraction - amp.noise_floor_fraction >= 0.05  # worth acting on by itself
+    assert host.details["busy_threads"] == 4 and amp.ranks == host.ranks == [0, 1, 2, 3]
+
+
 def test_an_old_record_counts_one_thread_per_rank():
     c = 30.0 + rng.normal(0, 0.3, (100, 3))
     (f,) = diagnose(with_topology(arrays(c), crowded_topology(3)), project_ranks=None).findings

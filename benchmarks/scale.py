@@ -1,0 +1,137 @@
+"""What today's flat data path costs as the world grows (not a test; prints what it measured).
+
+Per window of K steps, at each world size W, with the project's own code on synthetic windows (one
+process; the collective's cost from the ring model, not measured):
+
+- **bytes each rank receives** in the window all-gather: ``(W - 1) x K x 17 x 8`` (every rank gets
+  every other rank's rows);
+- **decision**: the Pacer's window decision on every rank, on the training thread (``Pacer._decide``:
+  the window's statistics, pacing, rebalancing and gc_sync on the gathered ``[W, K, 17]`` tensor);
+- **rank 0's telemetry** per window, on its telemetry thread: per-step summaries, the run record's
+  lines, and the TensorBoard tags (to a sink that only counts them);
+- **record bytes per rank-step**: the run record's size over ``W x steps``;
+- the ring all-gather's latency term, ``(W - 1)`` hops at 5 and 30 us a hop (a gloo-over-TCP hop
+  costs 20-50 us), which no longer hides behind a short step at thousands of ranks.
+
+A synthetic window: every rank's rows are a plausible step (compute around 40 ms, one rank 3 ms
+late, 1 ms jitter), valid, past warm-up, with samples for rebalancing. Timings are the median of
+``--repeat`` windows after one unmeasured one; 8,192 ranks takes a few minutes here.
+
+    python benchmarks/scale.py [--ranks 64,1024,8192] [--steps 32] [--repeat 5]
+
+Issue 32's target path (a node-local exchange, leaders deciding, a sharded columnar record) does
+not exist yet: this prints today's path only, the baseline it will be compared with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pace_strategy.core.clock import ManualClock
+from pace_strategy.core.config import PacingConfig, RebalanceConfig
+from pace_strategy.core.pacer import Pacer
+from pace_strategy.core.records import NUM_FIELDS, Field
+from pace_strategy.core.shares import ShareSchedule
+from pace_strategy.core.summary import StepSummarizer
+from pace_strategy.telemetry.run_record import RunRecordWriter
+from pace_strategy.telemetry.schema import step_metrics
+
+HOP_US = (5.0, 30.0)  #: ring all-gather latency per hop, microseconds: a fast fabric, gloo over TCP
+
+
+def window(world: int, steps: int, first: int, seed: int) -> torch.Tensor:
+    """A gathered window ``[world, steps, NUM_FIELDS]`` of plausible, valid steps."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.zeros(world, steps, NUM_FIELDS, dtype=torch.float64)
+    w[:, :, Field.STEP] = torch.arange(first, first + steps, dtype=torch.float64)
+    w[:, :, Field.VALID] = 1.0
+    compute = 40.0 + torch.randn(world, steps, generator=g, dtype=torch.float64)
+    compute[world // 2] += 3.0  # one slow rank
+    w[:, :, Field.COMPUTE_MS] = compute
+    w[:, :, Field.WAIT_MS] = compute.amax(dim=0, keepdim=True) - compute + 4.0
+    w[:, :, Field.STEP_MS] = compute.amax(dim=0, keepdim=True) + 6.0
+    w[:, :, Field.GAP_MS] = 1.0
+    w[:, :, Field.OPT_MS] = 1.0
+    w[:, :, Field.SAMPLES] = 32.0
+    w[:, :, Field.HOST_BOUND] = 1.0
+    return w
+
+
+def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
+    config = PacingConfig(exchange_every_steps=steps, warmup_steps=0, rebalance=RebalanceConfig(enabled=True))
+    # the decision for W ranks, taken here on one process: no group, the exchange is modelled
+    pacer = Pacer(config, None, 0, world, ManualClock())
+    pacer.attach_shares(ShareSchedule(32 * world, world), 2)
+    summarizer = StepSummarizer(config.cv_window_steps)
+    record = RunRecordWriter(
+        out / f"w{world}.jsonl", world_size=world, config=config.to_dict(), topology=[], framework="scale"
+    )
+    tags = 0
+    decide_ms, publish_ms = [], []
+    for i in range(repeat + 1):
+        g = window(world, steps, i * steps, seed=i)
+        started = time.perf_counter()
+        pacer._decide(g)
+        decided = time.perf_counter()
+        summaries = summarizer.summarize(g)
+        for s in summaries:
+            tags += len(step_metrics(s, config.per_rank_tag_limit, batch_shares=True))
+        record.write_window(summaries, None)
+        published = time.perf_counter()
+        if i:  # the first window pays one-off costs (imports, allocations)
+            decide_ms.append((decided - started) * 1e3)
+            publish_ms.append((published - decided) * 1e3)
+    record.close()
+    size = (out / f"w{world}.jsonl").stat().st_size
+    received = (world - 1) * steps * NUM_FIELDS * 8
+    return {
+        "ranks": world,
+        "bytes_received_per_window": received,
+        "ring_latency_ms_fast": (world - 1) * HOP_US[0] / 1e3,
+        "ring_latency_ms_tcp": (world - 1) * HOP_US[1] / 1e3,
+        "decision_ms": statistics.median(decide_ms),
+        "rank0_telemetry_ms": statistics.median(publish_ms),
+        "record_bytes_per_rank_step": size / (world * steps * (repeat + 1)),
+        "tags_per_window": tags / (repeat + 1),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", default="64,1024,8192")
+    p.add_argument("--steps", type=int, default=32, help="K, steps per window")
+    p.add_argument("--repeat", type=int, default=5, help="measured windows per world size")
+    p.add_argument("--json", default=None, help="also write the rows here")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    print(
+        f"{'ranks':>6} {'received/window':>16} {'ring latency':>16} {'decision':>10} "
+        f"{'rank-0 telemetry':>17} {'record':>12} {'tags/window':>12}"
+    )
+    with tempfile.TemporaryDirectory(prefix="pace-scale-") as tmp:
+        for world in (int(r) for r in args.ranks.split(",")):
+            r = measure(world, args.steps, args.repeat, Path(tmp))
+            rows.append(r)
+            print(
+                f"{world:>6,} {r['bytes_received_per_window'] / 1e6:>13.2f} MB "
+                f"{r['ring_latency_ms_fast']:>6.1f}-{r['ring_latency_ms_tcp']:<5.0f} ms "
+                f"{r['decision_ms']:>7.1f} ms {r['rank0_telemetry_ms']:>14.1f} ms "
+                f"{r['record_bytes_per_rank_step']:>8.0f} B/rs {r['tags_per_window']:>12,.0f}",
+                flush=True,
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
