@@ -216,7 +216,8 @@ def best_split(
         )
     t = [float(v) for v in per_sample_ms]
     speed = [1.0 / v for v in t]
-    ideal = [units * v / sum(speed) for v in speed]  # units proportional to speed
+    total_speed = sum(speed)  # once: summed for every rank it made the split quadratic in W
+    ideal = [units * v / total_speed for v in speed]  # units proportional to speed
     even_units = -(-units // world)  # the even share, rounded up to whole quanta
     cap = units if max_share is None else max(even_units, int(max_share * global_batch / world) // quantum)
     most = [c if c is not None else global_batch for c in (caps or [None] * world)]  # samples
