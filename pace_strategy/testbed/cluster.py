@@ -68,6 +68,10 @@ class FabricSpec:
     slow_nodes: tuple[int, ...] = ()  #: nodes whose own port is shaped to ``slow_path_mbit``
     slow_path_mbit: float = 20.0
     cpu_quota: Mapping[int, float] = field(default_factory=dict)
+    #: the quota's cgroup period, ms (``cpu.cfs_period_us``): a node may run ``share x period`` of CPU
+    #: time in every period and is throttled for the rest. 100 ms is the kernel's and Kubernetes'
+    #: default; a longer period makes the slow steps fewer and longer (bursts)
+    cpu_period_ms: float = 100.0
     rack_delay: Mapping[int, Impairment] = field(default_factory=dict)
     seed: int = 0
     prefix: str = "pace-tb"
@@ -85,6 +89,8 @@ class FabricSpec:
         for n, share in self.cpu_quota.items():
             if not 0.01 <= share <= 1.0:
                 raise TestbedSpecError(f"testbed cpu_quota[{n}]={share!r}: expected a share in 0.01..1.")
+        if not 1.0 <= self.cpu_period_ms <= 1000.0:  # the kernel's bounds for cfs_period_us
+            raise TestbedSpecError(f"testbed cpu_period_ms={self.cpu_period_ms!r}: expected 1..1000 ms.")
         for r, imp in self.rack_delay.items():
             if not 0 <= r < self.racks:
                 raise TestbedSpecError(f"testbed rack_delay rack {r!r} is out of range 0..{self.racks - 1}.")
@@ -148,12 +154,12 @@ def _tbf(netns: str, dev: str, mbit: float) -> None:
          "burst", "64kb", "latency", "100ms")  # fmt: skip
 
 
-def _cgroup_for(prefix: str, node: int, share: float) -> str:
+def _cgroup_for(prefix: str, node: int, share: float, period_ms: float = 100.0) -> str:
     for root in CGROUP_ROOTS:
         if (root / "cpu.cfs_quota_us").exists() or (root / "cpu.max").exists():
             path = root / f"{prefix}-n{node}"
             path.mkdir(exist_ok=True)
-            period = 100_000
+            period = int(period_ms * 1000)
             if (path / "cpu.cfs_quota_us").exists():
                 (path / "cpu.cfs_period_us").write_text(str(period))
                 (path / "cpu.cfs_quota_us").write_text(str(int(share * period)))
@@ -216,7 +222,11 @@ def up(spec: FabricSpec) -> Fabric:
             if i in spec.slow_nodes:
                 _tbf(ns, "eth0", spec.slow_path_mbit)  # the node's uplink...
                 _tbf(fabric_ns, port, spec.slow_path_mbit)  # ...and its downlink
-            cgroup = _cgroup_for(spec.prefix, i, spec.cpu_quota[i]) if i in spec.cpu_quota else None
+            cgroup = (
+                _cgroup_for(spec.prefix, i, spec.cpu_quota[i], spec.cpu_period_ms)
+                if i in spec.cpu_quota
+                else None
+            )
             nodes.append(Node(i, ns, f"{SUBNET}.{i + 1}", rack, cgroup))
     except BaseException:
         down(spec.prefix)
