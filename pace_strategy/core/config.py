@@ -16,6 +16,7 @@ from pace_strategy.core.errors import PacingConfigError
 __all__ = [
     "FLAT_NAMES",
     "GROUPS",
+    "SWITCHED_GROUPS",
     "DDPMonitor",
     "GcSyncConfig",
     "HangAction",
@@ -247,7 +248,7 @@ FLAT_NAMES: dict[str, tuple[str, str]] = {
     **{f"gc_sync_{f.name}": ("gc_sync", f.name) for f in fields(GcSyncConfig) if f.name != "enabled"},
 }
 #: groups whose ``enabled`` switch a bare boolean stands for (``rebalance=True``)
-_SWITCHED = ("rebalance", "gc_sync")
+SWITCHED_GROUPS = ("rebalance", "gc_sync")
 
 
 def recorded_switch(config: Mapping[str, Any] | None, group: str) -> bool:
@@ -263,7 +264,7 @@ def nest_flat_names(values: Mapping[str, Any], where: str = "", *, warn: bool = 
     bare boolean for ``rebalance`` / ``gc_sync`` turned into ``{"enabled": ...}``. Groups stay
     mappings (or the group objects they were)."""
     out = dict(values)
-    for group in _SWITCHED:
+    for group in SWITCHED_GROUPS:
         if isinstance(out.get(group), bool):
             out[group] = {"enabled": out[group]}
     for flat, (group, key) in FLAT_NAMES.items():
@@ -537,7 +538,7 @@ class PacingConfig:
             _fail("run_record", self.run_record, "true or false")
         for name, group in GROUPS.items():  # a bare switch or a mapping: the group object
             value = getattr(self, name)
-            if isinstance(value, bool) and name in _SWITCHED:
+            if isinstance(value, bool) and name in SWITCHED_GROUPS:
                 object.__setattr__(self, name, group(enabled=value))
             elif isinstance(value, Mapping):
                 object.__setattr__(self, name, group.from_dict(value))

@@ -144,6 +144,7 @@ def register_paced_collectives(model: nn.Module, pacer: Pacer) -> int:
             reduce_scatter = reduce_scatter.inner
         module.set_custom_all_gather(PacedAllGather(pacer, all_gather))  # type: ignore[operator]
         module.set_custom_reduce_scatter(PacedReduceScatter(pacer, reduce_scatter))  # type: ignore[operator]
+        _unbracket_waits(group)  # a bracket from an earlier registration times for its own pacer
         if not pacer.clock_is_host_time:
             _bracket_waits(group, pacer)
         count += 1
@@ -178,12 +179,9 @@ class _WaitBracket:
 
 def _bracket_waits(group: Any, pacer: Pacer) -> None:
     for name in WAIT_METHODS:
-        current = getattr(group, name, None)
-        if current is None:  # a torch without this wait point: nothing of it to time
-            continue
-        if isinstance(current, _WaitBracket):
-            current = current.method
-        setattr(group, name, _WaitBracket(pacer, current))
+        method = getattr(group, name, None)
+        if method is not None:  # None: a torch without this wait point, nothing of it to time
+            setattr(group, name, _WaitBracket(pacer, method))
 
 
 def _unbracket_waits(group: Any) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from pace_strategy.core.config import FLAT_NAMES, GROUPS, PacingConfig, check_known_keys
+from pace_strategy.core.config import FLAT_NAMES, GROUPS, SWITCHED_GROUPS, PacingConfig, check_known_keys
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.settings import build
 
@@ -62,14 +62,11 @@ def env_name(field: str) -> str:
     return ENV_PREFIX + field.replace(".", "__").upper()
 
 
-#: the groups a bare switch stands for (``PACE_REBALANCE=1``: ``rebalance.enabled``)
-_SWITCHES = ("rebalance", "gc_sync")
-
-
 def _env_fields() -> dict[str, str]:
     """Every variable the contract reads -> the field it sets (``name`` or ``group.name``)."""
     out = {env_name(name): name for name in PacingConfig.dotted_fields()}
-    out.update((env_name(group), f"{group}.enabled") for group in _SWITCHES)
+    # a bare switch stands for the group's ``enabled`` (``PACE_REBALANCE=1``)
+    out.update((env_name(group), f"{group}.enabled") for group in SWITCHED_GROUPS)
     return out
 
 
@@ -87,9 +84,10 @@ def config_to_env(values: Mapping[str, Any]) -> dict[str, str]:
     """``{"max_delay_ms": 20, "rebalance": {"quantum": 4}}`` -> ``{"PACE_MAX_DELAY_MS": "20",
     "PACE_REBALANCE__QUANTUM": "4"}``, validated first (strings as they are, everything else as
     JSON), so that :func:`config_from_env` reads back the same config."""
-    _config(values)
+    nested = PacingConfig.normalize_mapping(values)  # once: a flat name warns once
+    _config(nested)
     out: dict[str, str] = {}
-    for key, value in PacingConfig.normalize_mapping(values).items():
+    for key, value in nested.items():
         if key in GROUPS and isinstance(value, Mapping):
             out.update((env_name(f"{key}.{k}"), _encode(v)) for k, v in value.items())
         else:
@@ -129,9 +127,10 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> PacingConfig | 
         return None
     fields = _env_fields()
     check_known_keys([n for n in names if n not in _LEGACY_ENV], list(fields), "pacing environment variable")
+    field_of = {n: fields.get(n) or _LEGACY_ENV[n] for n in names}  # the field each variable sets
     values: dict[str, Any] = {}
     for n in names:
-        field = fields.get(n) or _LEGACY_ENV[n]
+        field = field_of[n]
         if n in _LEGACY_ENV:
             warnings.warn(
                 f"pace_strategy: the environment variable {n} is deprecated; use {env_name(field)}",
@@ -141,7 +140,7 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> PacingConfig | 
         group, _, name = field.rpartition(".")
         target = values.setdefault(group, {}) if group else values
         if name in target:
-            both = [k for k in names if (fields.get(k) or _LEGACY_ENV[k]) == field]
+            both = [k for k in names if field_of[k] == field]
             raise PacingConfigError(
                 f"environment variables {', '.join(both)} all set {field}: keep {env_name(field)} only."
             )
@@ -149,9 +148,7 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> PacingConfig | 
     try:
         return _config(values)
     except PacingConfigError as error:
-        named = [
-            n for n in names if re.search(rf"\b{re.escape(fields.get(n) or _LEGACY_ENV[n])}\b", str(error))
-        ]
+        named = [n for n in names if re.search(rf"\b{re.escape(field_of[n])}\b", str(error))]
         where = ", ".join(f"{n}={environ[n]!r}" for n in named or names)
         raise PacingConfigError(f"environment variable {where}: {error}") from None
 

@@ -62,6 +62,9 @@ def test_the_flat_names_of_earlier_versions_still_work_and_name_the_new_key(tmp_
         assert PacingConfig(**flat) == WANT
     with _warns("gc_sync_freeze is deprecated; use gc_sync.freeze"):
         assert as_pacing_config(flat) == WANT
+    with pytest.warns(DeprecationWarning) as caught:  # pace launch's writer: one warning per name
+        assert config_to_env({"rebalance_quantum": 4}) == {"PACE_REBALANCE__QUANTUM": "4"}
+    assert len(caught) == 1, [str(w.message) for w in caught]
     yaml = tmp_path / "old.yaml"
     yaml.write_text("rebalance: true\nrebalance_quantum: 4\ngc_sync: true\ngc_sync_freeze: true\n")
     with _warns("hang_timeout_s is deprecated; use hang.timeout_s"):

@@ -122,8 +122,9 @@ def test_fsdp2_wait_points_are_bracketed_on_a_device_clock_and_unbracketed_again
     pacer.end_step()
     assert unregister_paced_collectives(model) == 2
     assert all(name not in g.__dict__ for g in groups for name in WAIT_METHODS)
-    # host clocks leave FSDP's methods alone
+    # host clocks leave FSDP's methods alone, and take back the brackets of an earlier device pacer
     host = Pacer(PacingConfig(warmup_steps=0), None, 0, 1, ManualClock())
+    register_paced_collectives(model, pacer)
     register_paced_collectives(model, host)
     assert all(name not in g.__dict__ for g in groups for name in WAIT_METHODS)
     unregister_paced_collectives(model)
