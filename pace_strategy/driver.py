@@ -80,7 +80,8 @@ class PacingDriver:
         #: rows are not kept, they would grow with W x steps)
         self.tally = WindowTally()
         self._undo: list[Callable[[], object]] = []
-        self._loaded: dict[str, Any] | None = None  # a state restored while there is no session
+        #: the one buffer of a state restored while there is no session: (state, step, source)
+        self._loaded: tuple[dict[str, Any] | None, int, str | None] | None = None
 
     # ------------------------------------------------------------------ per step
     def begin_step(self, step: int | None = None) -> None:
@@ -91,6 +92,18 @@ class PacingDriver:
         self.session.pacer.begin_step(self.steps if step is None else step)
         if self.rebalance is not None:
             self.rebalance.begin_batch()
+
+    def begin_forward(self, step: int | None = None) -> None:
+        """A training forward: the step begins here unless its batch began it (a loop that feeds the
+        model itself; no batch share is taken). Local."""
+        if self.session is not None:
+            self.session.pacer.begin_step(self.steps if step is None else step)
+
+    def interrupt(self) -> None:
+        """Something other than training ran (validation, evaluation): the step in progress, if any,
+        is not a training step, and the next does not follow the last. Local."""
+        if self.session is not None:
+            self.session.pacer.interrupt()
 
     def end_step(self, samples: int | None = None) -> WindowResult | None:
         """The synchronizing optimizer step is done; ``samples``: what this rank trained on (the
@@ -114,32 +127,38 @@ class PacingDriver:
         return None if session is None or session.finished else session
 
     # ------------------------------------------------------------------ checkpoint state
-    def state_dict(self) -> dict[str, Any]:
-        """The pacing state after :attr:`steps` steps: plain JSON-able data, the same on every rank
-        (a restored one while there is no session; empty before either). Local."""
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        """The pacing state after ``step`` steps (default :attr:`steps`): plain JSON-able data, the
+        same on every rank (a restored one while there is no session; empty before either). Local."""
         if self.session is not None:
-            return self.session.state_dict(self.steps)
-        return dict(self._loaded) if self._loaded is not None else {}
+            return self.session.state_dict(self.steps if step is None else step)
+        restored = self._loaded[0] if self._loaded is not None else None
+        return dict(restored) if restored is not None else {}
 
-    def load_state_dict(self, state: Mapping[str, Any] | None, source: str | None = None) -> None:
-        """Restore what :meth:`state_dict` saved (every rank, the same state; local). The step count
-        continues from the saved one; without a session the state waits for :meth:`adopt`. A state
-        that cannot be restored is skipped with a warning; an empty one restores nothing."""
+    def load_state_dict(
+        self, state: Mapping[str, Any] | None, source: str | None = None, step: int | None = None
+    ) -> None:
+        """Restore what :meth:`state_dict` saved (every rank, the same state; local): now, or, without
+        a session, when :meth:`adopt` gets one. The step count continues from the saved one (``step``:
+        the framework's own count, for the ``resume`` line when the state has none); ``source``: the
+        checkpoint's path. A state that cannot be restored is skipped with a warning; an empty one
+        restores nothing (the ``resume`` line says so)."""
         loaded = dict(state) if state else None
         if loaded is not None and type(loaded.get("step")) is int:
             self.steps = loaded["step"]
+        at = self.steps if step is None else step
         if self.session is None:
-            self._loaded = loaded
+            self._loaded = (loaded, at, source)
         else:
-            self.session.load_state_dict(loaded, source=source, step=self.steps)
+            self.session.load_state_dict(loaded, source=source, step=at)
 
     def adopt(self, session: PacingSession) -> None:
         """The adapter started ``session`` (adapters that cannot start it at construction): a state
         restored before is loaded now."""
         self.session = session
         if self._loaded is not None:
-            loaded, self._loaded = self._loaded, None
-            session.load_state_dict(loaded, step=self.steps)
+            (loaded, step, source), self._loaded = self._loaded, None
+            session.load_state_dict(loaded, source=source, step=step)
 
     # ------------------------------------------------------------------ ending
     def on_detach(self, undo: Callable[[], object]) -> None:

@@ -41,7 +41,6 @@ from pace_strategy.core.evidence import (
     write_evidence,
 )
 from pace_strategy.core.gc_monitor import GcMonitor
-from pace_strategy.core.gc_sync import GcSync
 from pace_strategy.core.memory import device_memory_probe
 from pace_strategy.core.netif import GLOO_IFNAME_VARIABLE, gloo_interface
 from pace_strategy.core.pacer import Pacer, WindowResult
@@ -201,8 +200,6 @@ class PacingSession:
         # gc_sync the Pacer also collects at agreed steps. Both are undone in _close, whatever ends the run.
         self.gc_monitor = GcMonitor(self.pacer.add_gc)
         self.gc_monitor.install()
-        if config.gc_sync.enabled:
-            self.pacer.gc_sync = GcSync(config)
         self._gc_ranks: list[dict[str, Any]] | None = None  #: every rank's GC report, gathered at finish
         self.watchdog = self._start_watchdog()
         self.publish_ns = 0  #: rank 0: telemetry-thread time spent writing tags and the run record

@@ -18,7 +18,6 @@ session's telemetry thread on rank 0, tests, benchmarks) feeds each ``WindowResu
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -31,16 +30,16 @@ import torch.distributed as dist
 from pace_strategy.core.clock import Clock, HostClock
 from pace_strategy.core.comm import PendingGather, WindowExchange
 from pace_strategy.core.config import PacingConfig
-from pace_strategy.core.errors import PaceDistributedError, PacingConfigError
-from pace_strategy.core.policy import PacingPolicy
-from pace_strategy.core.rebalance import RebalanceDecision, RebalancePolicy, RebalanceState, first_boundary
-from pace_strategy.core.records import NUM_FIELDS, Decision, Field, PolicyState
+from pace_strategy.core.controllers import Controllers, WindowInput
+from pace_strategy.core.errors import PaceDistributedError
+from pace_strategy.core.records import NUM_FIELDS, Decision, Field
 from pace_strategy.core.shares import ShareSchedule
 from pace_strategy.core.skew import WindowStats, window_stats
-from pace_strategy.core.state import STATE_VERSION, PacingStateError, check_state
+from pace_strategy.core.state import STATE_VERSION, check_state
 
 if TYPE_CHECKING:
     from pace_strategy.core.gc_sync import GcSync
+    from pace_strategy.core.rebalance import RebalanceDecision
 
 __all__ = ["Pacer", "WindowResult"]
 
@@ -137,7 +136,8 @@ class Pacer:
         self._host_time = bool(getattr(self.clock, "host_time", True))
         self._memory_probe = memory_probe
         self.exchange = WindowExchange(group, rank, world_size, config.exchange_timeout_s)
-        self.policy = PacingPolicy(config, world_size)
+        #: pacing, rebalancing and GC sync: what each window decides (:mod:`pace_strategy.core.controllers`)
+        self.controllers = Controllers(config, rank, world_size, self.clock)
         self._open: _OpenStep | None = None
         self._unresolved: list[_OpenStep] = []
         self._pending: PendingGather | None = None
@@ -153,16 +153,7 @@ class Pacer:
         self.progress_step = -1  #: label (global step) of the last step begun
         self._window = 0
         self._delay_ms = 0.0
-        self._watch = _StragglerWatch(config, self.clock)
-        #: ``gc_sync``: collects at agreed steps (the session sets it; ``None``: the collector is left alone)
-        self.gc_sync: GcSync | None = None
         self._last_label = -1
-        self._shares: ShareSchedule | None = None
-        self._lookahead_steps = 0
-        #: decides the shares when ``config.rebalance.enabled`` and a schedule is attached (``attach_shares``)
-        self.rebalance: RebalancePolicy | None = None
-        self._rebalance_state: Mapping[str, Any] | None = None  # restored before attach_shares: kept
-        self._warned_no_shares = False
         self.window_work_ns = 0  #: host time end_step spent resolving, exchanging and deciding windows
         self.exchange_wait_ns = 0  #: part of window_work_ns spent blocked waiting for the all-gather
         self.flush_ns = 0  #: host time spent in flush() (end of training; includes waiting for peers)
@@ -185,7 +176,12 @@ class Pacer:
 
     @property
     def decision(self) -> Decision:
-        return self.policy.last_decision
+        return self.controllers.pacing.decision
+
+    @property
+    def gc_sync(self) -> GcSync | None:
+        """``gc_sync.enabled``: this rank's synchronized collector (``None``: left alone)."""
+        return self.controllers.gc_sync
 
     def begin_step(self, step: int) -> None:
         """The step's input is ready. Ignored while a step is already open (gradient accumulation)."""
@@ -244,30 +240,12 @@ class Pacer:
             lookahead_steps: how many batches beyond the step in training the data pipeline may have
                 built (DataLoader workers x prefetch factor, plus the framework's own prefetch).
         """
-        if schedule.world_size != self.world_size:
-            raise PacingConfigError(
-                f"the share schedule splits the batch over {schedule.world_size} ranks but this job has "
-                f"{self.world_size}: build ShareSchedule(global_batch, world_size={self.world_size})."
-            )
-        if isinstance(lookahead_steps, bool) or not isinstance(lookahead_steps, int) or lookahead_steps < 0:
-            raise ValueError(f"lookahead_steps must be an integer >= 0, got {lookahead_steps!r}")
-        self._shares = schedule
-        self._lookahead_steps = lookahead_steps
-        if self.config.rebalance.enabled:
-            current = schedule.current
-            self.rebalance = RebalancePolicy(
-                self.config, schedule.global_batch, self.world_size, current.samples, current.from_step
-            )
-            if self._rebalance_state is not None:
-                try:
-                    self._rebalance_restorer(self._rebalance_state)()
-                except PacingStateError as error:
-                    log.warning("pace_strategy: rebalancing starts fresh from the even split: %s", error)
+        self.controllers.rebalance.attach(schedule, lookahead_steps)
 
     @property
     def shares(self) -> ShareSchedule | None:
         """The attached share schedule (``None``: none attached)."""
-        return self._shares
+        return self.controllers.rebalance.schedule
 
     def interrupt(self) -> None:
         """Something other than training ran since the last step (validation, checkpointing): the next
@@ -536,34 +514,26 @@ class Pacer:
         state: dict[str, Any] = {
             "version": STATE_VERSION,
             "window": self._window,
-            "policy": self.policy.state_dict(),
+            "policy": self.controllers.pacing.state_dict(),
         }
-        if self.rebalance is not None and self._shares is not None:
-            state["rebalance"] = {
-                "version": STATE_VERSION,
-                "policy": self.rebalance.state_dict(),
-                "entries": [
-                    {"from_step": e.from_step, "samples": list(e.samples), "reason": e.reason}
-                    for e in self._shares.entries
-                ],
-            }
+        rebalance = self.controllers.rebalance.state_dict()
+        if rebalance is not None:
+            state["rebalance"] = rebalance
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (before the first window of this run): the
-        controller's state and delays, and the window numbering continues. Raises
+        controllers' state and delays, and the window numbering continues. Raises
         :class:`~pace_strategy.core.state.PacingStateError` and changes nothing when it cannot."""
         s = check_state(state, "the pacer's state", {"window": int, "policy": dict})
-        # checked before anything changes; restored now if the schedule is attached, else at attach_shares
-        attached = "rebalance" in s and self.rebalance is not None
-        restore = self._rebalance_restorer(s["rebalance"]) if attached else None
-        self.policy.load_state_dict(s["policy"])
+        rebalance = s.get("rebalance")
+        if rebalance is not None:
+            self.controllers.rebalance.check(rebalance)  # before anything changes
+        self.controllers.pacing.load_state_dict(s["policy"])
         self._window = s["window"]
-        self._delay_ms = self.policy.last_decision.delays_ms[self.rank]
-        if "rebalance" in s:
-            self._rebalance_state = s["rebalance"]
-        if restore is not None:
-            restore()
+        self._delay_ms = self.controllers.pacing.decision.delays_ms[self.rank]
+        if rebalance is not None:
+            self.controllers.rebalance.load_state_dict(rebalance)
 
     def _launch(self, count: int) -> PendingGather:
         steps, self._unresolved = self._unresolved[:count], self._unresolved[count:]
@@ -616,7 +586,7 @@ class Pacer:
         return row
 
     def _decide(self, gathered: torch.Tensor) -> WindowResult:
-        """Check and decide one gathered window (identically on every rank)."""
+        """Check one gathered window and let the controllers decide (identically on every rank)."""
         labels = gathered[:, :, Field.STEP]
         if not bool((labels == labels[0:1]).all()):
             raise PaceDistributedError(
@@ -627,144 +597,15 @@ class Pacer:
                 "synchronized step.",
             )
         stats = window_stats(self._window, gathered)
-        decision = self.policy.update(stats)
-        self._delay_ms = decision.delays_ms[self.rank]
-        if self.gc_sync is not None:
-            collect = self.gc_sync.decide(gathered, self._last_label)
-            if collect is not None:
-                decision = dataclasses.replace(decision, gc_collect=collect)
-        warnings = self._watch.check(stats)
-        rebalance = self._rebalance_window(gathered)
-        if rebalance is not None and rebalance.changed and rebalance.state is RebalanceState.OFF:
-            warnings += (f"pace_strategy: {rebalance.reason}",)
-        held = self._pacing_held(rebalance, int(labels[0, -1]) if labels.shape[1] else self._last_label)
-        if held is not None:
-            # While the split changes, or is on trial, the step itself changes: each controller's A/B
-            # check would credit the other's effect. Pacing waits and then starts over on the new split.
-            self.policy = PacingPolicy(self.config, self.world_size)
-            self._delay_ms = 0.0
-            decision = dataclasses.replace(
-                decision,
-                state=PolicyState.MONITOR,
-                delays_ms=(0.0,) * self.world_size,
-                reason=f"pacing held: {held}",
-                baseline_step_ms=None,
-                paced_step_ms=None,
-            )
+        last = int(labels[0, -1]) if labels.shape[1] else self._last_label
+        verdict = self.controllers.decide(WindowInput(gathered, stats, last, self._last_label), self._window)
+        self._delay_ms = verdict.decision.delays_ms[self.rank]
         self._window += 1
         return WindowResult(
             window=stats.window,
             gathered=gathered,
             stats=stats,
-            decision=decision,
-            warnings=warnings,
-            rebalance=rebalance,
+            decision=verdict.decision,
+            warnings=verdict.warnings,
+            rebalance=verdict.rebalance,
         )
-
-    def _pacing_held(self, rebalance: RebalanceDecision | None, window_last_step: int) -> str | None:
-        """Why pacing is held after this window (a rebalancing trial, or a split that the window's
-        steps did not run at yet), or ``None``."""
-        if rebalance is None or self._shares is None:
-            return None
-        if rebalance.state is RebalanceState.TRIAL:
-            return f"a rebalancing trial of the split {list(rebalance.shares)} is running"
-        current = self._shares.current
-        if current.from_step > window_last_step:
-            return f"the split {list(current.samples)} starts at step {current.from_step}"
-        return None
-
-    def _rebalance_window(self, gathered: torch.Tensor) -> RebalanceDecision | None:
-        """The rebalancing decision of one window; a new split goes into the schedule."""
-        if self.rebalance is None or self._shares is None:
-            if self.config.rebalance.enabled and not self._warned_no_shares:
-                self._warned_no_shares = True
-                log.warning(
-                    "pace_strategy: rebalance=True but no share schedule is attached (the integration "
-                    "calls Pacer.attach_shares): this run is not rebalanced"
-                )
-            return None
-        # Every rank has built at most lookahead_steps batches beyond the step after this one: a split
-        # from the first window boundary past that is one no rank has built yet, the same everywhere.
-        last = int(gathered[0, -1, Field.STEP]) if gathered.shape[1] else self._last_label
-        start = first_boundary(
-            last, self.config.exchange_every_steps, self._last_label + self._lookahead_steps + 2
-        )
-        current = self._shares.current
-        self.rebalance.follow(current.from_step, current.samples)  # a split added by someone else
-        decision = self.rebalance.update(gathered, self._window, start)
-        if decision.from_step is not None:
-            try:
-                self._shares.add(decision.from_step, decision.shares, decision.reason)
-            except ValueError as error:
-                raise PaceDistributedError(
-                    self.rank,
-                    self.world_size,
-                    f"rebalancing decided the split {list(decision.shares)} from step {decision.from_step}, "
-                    f"but this rank's data pipeline has already built step {self._shares.last_built}: it "
-                    f"builds further ahead than the {self._lookahead_steps} steps its integration declared "
-                    "(attach_shares lookahead_steps), so the ranks could split that step differently. "
-                    "Declare the DataLoader's real prefetch (num_workers x prefetch_factor, plus the "
-                    f"framework's own). ({error})",
-                ) from error
-        return decision
-
-    def _rebalance_restorer(self, state: Mapping[str, Any]) -> Callable[[], None]:
-        """Check a saved rebalancing state (:meth:`state_dict`) against the attached schedule; the
-        returned call restores the controller and the schedule's later splits. Raises
-        :class:`~pace_strategy.core.state.PacingStateError` when it cannot."""
-        schedule = self._shares
-        assert schedule is not None
-        s = check_state(state, "the rebalancing state", {"policy": dict, "entries": list})
-        try:
-            entries = [
-                (int(e["from_step"]), [int(n) for n in e["samples"]], str(e["reason"])) for e in s["entries"]
-            ]
-        except (TypeError, ValueError, KeyError) as error:
-            raise PacingStateError(f"the rebalancing state's entries do not load: {error}") from error
-        policy = RebalancePolicy(self.config, schedule.global_batch, self.world_size)
-        policy.load_state_dict(s["policy"])
-
-        def restore() -> None:
-            self.rebalance = policy
-            for from_step, samples, reason in entries:
-                # the start entry, or one the sampler's own state already restored, is held already
-                if from_step > schedule.current.from_step:
-                    schedule.add(from_step, samples, reason)
-            self._rebalance_state = None
-
-        return restore
-
-
-class _StragglerWatch:
-    """Warns (rate-limited) when the same rank arrives last in most steps for several windows."""
-
-    def __init__(self, config: PacingConfig, clock: Clock) -> None:
-        self.config = config
-        self.clock = clock
-        self._rank: int | None = None
-        self._streak = 0
-        self._last_warned_s: float | None = None
-
-    def check(self, stats: WindowStats) -> tuple[str, ...]:
-        if stats.steps == 0 or stats.world_size < 2:
-            return ()
-        counts = stats.straggler_counts
-        rank = max(range(len(counts)), key=counts.__getitem__)
-        share = counts[rank] / stats.steps
-        if share < self.config.straggler_warn_fraction:
-            self._rank, self._streak = None, 0
-            return ()
-        self._streak = self._streak + 1 if rank == self._rank else 1
-        self._rank = rank
-        now = self.clock.now_s()
-        due = (
-            self._last_warned_s is None or now - self._last_warned_s >= self.config.straggler_warn_interval_s
-        )
-        if self._streak >= self.config.activate_windows and due:
-            self._last_warned_s = now
-            return (
-                f"pace_strategy: rank {rank} is a persistent straggler: it arrived last at the gradient sync "
-                f"in {share:.0%} of window {stats.window}'s {stats.steps} steps ({self._streak} windows in a "
-                "row); its per-rank lead is in the pace/lead_ms tags.",
-            )
-        return ()

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pace_strategy.core.errors import PacingConfigError
 
@@ -94,6 +95,15 @@ class ShareSchedule:
     def entries(self) -> tuple[SharesEntry, ...]:
         with self._lock:
             return tuple(self._entries)
+
+    def restore(self, entries: Sequence[Mapping[str, Any]]) -> None:
+        """Re-add checkpointed entries (``{"from_step", "samples", "reason"}``) before the pipeline has
+        built a step; entries already held are skipped, so restoring twice is harmless."""
+        held = {(e.from_step, e.samples) for e in self.entries}
+        for entry in entries:
+            key = (int(entry["from_step"]), tuple(int(s) for s in entry["samples"]))
+            if key not in held:
+                self.add(key[0], key[1], str(entry.get("reason", "")))
 
     def add(self, from_step: int, samples: Sequence[int], reason: str = "") -> SharesEntry:
         """Append an entry. Raises ``ValueError`` if ``from_step`` is not after every built step and after

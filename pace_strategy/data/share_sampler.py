@@ -103,12 +103,8 @@ def check_indexable(dataset: object) -> None:
 def restore_schedule(schedule: ShareSchedule, entries: Sequence[Mapping[str, Any]]) -> None:
     """Re-add checkpointed entries (``{"from_step", "samples", "reason"}``) to ``schedule`` before its
     pipeline has built a step; entries it already holds are skipped, so restoring twice (the sampler's
-    state and the decision's own) is harmless."""
-    held = {(e.from_step, e.samples) for e in schedule.entries}
-    for entry in entries:
-        key = (int(entry["from_step"]), tuple(int(s) for s in entry["samples"]))
-        if key not in held:
-            schedule.add(key[0], key[1], str(entry.get("reason", "")))
+    state and, in a state written before the sampler owned them, the decision's own) is harmless."""
+    schedule.restore(entries)
 
 
 class ShareBatchSampler(Sampler[list[int]]):

@@ -36,11 +36,10 @@ from pace_strategy.integrations._preemption import SigtermHandler
 from pace_strategy.integrations.dashboard import custom_scalars_sink, tensorboard_loggers
 from pace_strategy.integrations.data import loader_workers, time_dataloader
 from pace_strategy.integrations.env import (
-    RUN_DIR_ENV,
     PacingArg,
     as_pacing_config,
     record_dir,
-    run_dir_from_env,
+    runs_alone,
 )
 from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance
 from pace_strategy.session import MetricsSink, PacingSession
@@ -126,8 +125,6 @@ class StrategyPacing(PacingDriver):
             )
         self.run_dir = None if run_dir is None else Path(run_dir)
         self._strategy = strategy
-        #: a checkpoint's state loaded before the session started: (state or None, step, path)
-        self._checkpoint: tuple[Mapping[str, Any] | None, int | None, str | None] | None = None
         self.received_sigterm = False  #: SIGTERM arrived while this strategy trained
         self._sigterm: SigtermHandler | None = None
         self._sigterm_before: object = None  # the SIGTERM handler before Lightning installed its own
@@ -147,12 +144,7 @@ class StrategyPacing(PacingDriver):
         if getattr(trainer, "fast_dev_run", False):
             log.info("pace_strategy: fast_dev_run: no monitoring, nothing written")
             return None
-        if strategy.world_size < 2 and self.run_dir is None and run_dir_from_env() is None:
-            log.info(
-                "pace_strategy: a single process has no skew to monitor; running as plain DDP "
-                "(pass run_dir= or set %s for a run record anyway)",
-                RUN_DIR_ENV,
-            )
+        if runs_alone(strategy.world_size, self.run_dir, record_alone=True, runs_as="running as plain DDP"):
             return None
         session = PacingSession.with_side_group(
             self.config,
@@ -166,10 +158,7 @@ class StrategyPacing(PacingDriver):
             node_rank=strategy.node_rank,
             local_rank=strategy.local_rank,
         )
-        self.session = session
-        if self._checkpoint is not None:  # the checkpoint was loaded first (DDP restores before setup)
-            state, step, path = self._checkpoint
-            session.load_state_dict(state, source=path, step=step)
+        self.adopt(session)  # a checkpoint loaded first (DDP restores before setup) is restored now
         # Lightning installs its SIGTERM handler after setup, chaining what it finds; remember that.
         self._sigterm_before = signal.getsignal(signal.SIGTERM)
         if strategy.global_rank == 0:
@@ -187,10 +176,9 @@ class StrategyPacing(PacingDriver):
         ``"pace_strategy"`` (every rank holds the same state; rank 0's file is the one written).
         Without a session, a state restored into this strategy is carried on unchanged."""
         step = checkpoint.get("global_step")
-        if self.session is not None:
-            checkpoint[CHECKPOINT_KEY] = self.session.state_dict(step if isinstance(step, int) else -1)
-        elif self._checkpoint is not None and self._checkpoint[0] is not None:
-            checkpoint[CHECKPOINT_KEY] = dict(self._checkpoint[0])
+        state = self.state_dict(step if isinstance(step, int) else -1)
+        if state:
+            checkpoint[CHECKPOINT_KEY] = state
 
     def load_state(self, checkpoint: Mapping[str, Any], path: str | os.PathLike[str] | None) -> None:
         """A checkpoint was loaded (``trainer.fit(ckpt_path=...)``, before or after the session
@@ -201,9 +189,7 @@ class StrategyPacing(PacingDriver):
         source = None if path is None else os.fspath(path)
         if state is None and self._strategy.global_rank == 0:
             log.info("pace_strategy: checkpoint %s has no pacing state: the controller starts fresh", source)
-        self._checkpoint = (state, step if isinstance(step, int) else None, source)
-        if self.session is not None:
-            self.session.load_state_dict(state, source=source, step=self._checkpoint[1])
+        self.load_state_dict(state, source=source, step=step if isinstance(step, int) else None)
 
     # ------------------------------------------------------------------ SIGTERM
     def guard_sigterm(self) -> None:
@@ -325,11 +311,6 @@ class StrategyPacing(PacingDriver):
             self.session.note_dataloader_workers(loader_workers(dataloader))
             time_dataloader(dataloader, lambda: self.session)
 
-    def interrupt(self) -> None:
-        """Validation starts: the step in progress, if any, is not a training step."""
-        if self.session is not None:
-            self.session.pacer.interrupt()
-
     def fail(self, error: BaseException) -> None:
         """Training raised: record the failure and close locally (no collective). After a SIGTERM
         (Lightning's ``SIGTERMException``, or any error once the signal came: a peer that stopped
@@ -348,7 +329,7 @@ class StrategyPacing(PacingDriver):
         if self.session is not None:
             self.session.close()
         self.session = None
-        self._checkpoint = None
+        self._loaded = None
 
 
 @dataclass(frozen=True)

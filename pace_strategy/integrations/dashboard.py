@@ -6,7 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["custom_scalars_sink", "tensorboard_loggers"]
+__all__ = ["add_scalars", "custom_scalars_sink", "tensorboard_loggers"]
+
+
+def add_scalars(writer: Any, metrics: Mapping[str, float], step: int) -> None:
+    """Each tag of ``metrics`` into ``writer`` (a ``SummaryWriter``, or anything with ``add_scalar``)."""
+    for tag, value in metrics.items():
+        writer.add_scalar(tag, value, step)
 
 
 def custom_scalars_sink(writers: Callable[[], Iterable[Any]]) -> Callable[[Mapping[str, Any]], None]:

@@ -1,6 +1,7 @@
 """Where an adapter's configuration and run directory come from, one rule for every integration.
 
 - :func:`as_pacing_config`: a ``pacing=`` argument (a config, a mapping of its fields, or ``None``).
+- :func:`runs_alone`: the single-process rule (no session, unless a record is asked for and can be made).
 - :func:`record_dir`: the run record's directory: an explicit ``run_dir`` > the framework's log
   directory > ``$PACE_RUN_DIR`` > the adapter's fallback (none for Lightning and Fabric, whose runs
   without a logger write no log files; ``./pace_runs/<date-time>`` for Accelerate and plain PyTorch).
@@ -19,6 +20,7 @@ type-hint conversion and validation as a YAML recipe (:func:`pace_strategy.setti
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -32,6 +34,8 @@ from pace_strategy.core.config import FLAT_NAMES, GROUPS, SWITCHED_GROUPS, Pacin
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.settings import build
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "ENV_PREFIX",
     "NON_CONFIG_ENV",
@@ -44,6 +48,7 @@ __all__ = [
     "env_name",
     "record_dir",
     "run_dir_from_env",
+    "runs_alone",
 ]
 
 #: What an adapter's ``pacing=`` takes: a config, a mapping of its fields, or None for the defaults.
@@ -170,6 +175,22 @@ def as_pacing_config(pacing: PacingArg) -> PacingConfig:
     raise PacingConfigError(
         f"pacing={pacing!r} is invalid: expected a PacingConfig, a mapping of its fields, or None."
     )
+
+
+def runs_alone(
+    world_size: int, run_dir: str | os.PathLike[str] | None, *, record_alone: bool, runs_as: str
+) -> bool:
+    """The one single-process rule of every adapter: one process has no skew to monitor, so no session
+    is started (``True``: the adapter runs ``runs_as`` says), unless the adapter can record a single
+    process (``record_alone``: a model DDP wraps on one process, as Lightning does) and a run
+    directory is asked for (``run_dir`` or ``$PACE_RUN_DIR``)."""
+    if world_size >= 2:
+        return False
+    if record_alone and (run_dir is not None or run_dir_from_env() is not None):
+        return False
+    hint = f" (pass run_dir= or set {RUN_DIR_ENV} for a run record anyway)" if record_alone else ""
+    log.info("pace_strategy: a single process has no skew to monitor; %s%s", runs_as, hint)
+    return True
 
 
 def record_dir(

@@ -35,11 +35,10 @@ from pace_strategy.integrations._lightning_mixins import StrategyRegistry, regis
 from pace_strategy.integrations.dashboard import custom_scalars_sink, tensorboard_loggers
 from pace_strategy.integrations.data import loader_workers, time_dataloader
 from pace_strategy.integrations.env import (
-    RUN_DIR_ENV,
     PacingArg,
     as_pacing_config,
     record_dir,
-    run_dir_from_env,
+    runs_alone,
 )
 from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance
 from pace_strategy.session import MetricsSink, PacingSession
@@ -78,12 +77,7 @@ class FabricPacing(PacingDriver):
             log.info("pace_strategy: only the first model set up is paced; this one trains as with ddp")
             return
         self._model = model
-        if strategy.world_size < 2 and self.run_dir is None and run_dir_from_env() is None:
-            log.info(
-                "pace_strategy: a single process has no skew to monitor; running as ddp "
-                "(pass run_dir= or set %s for a run record anyway)",
-                RUN_DIR_ENV,
-            )
+        if runs_alone(strategy.world_size, self.run_dir, record_alone=True, runs_as="running as ddp"):
             return
         if fabric is None:
             log.warning("pace_strategy: set up outside Fabric.setup; pace/* telemetry goes to no logger")
@@ -130,9 +124,9 @@ class FabricPacing(PacingDriver):
     # optimizer step, the synchronizing ones under ``fabric.no_backward_sync``, count.
     def _forward(self, module: nn.Module, args: Any) -> None:
         if (session := self._live()) is not None:
-            session.pacer.begin_step(session.pacer.steps_seen)  # a forward: no batch share to take
-        elif self.live_session is not None:
-            self.live_session.pacer.interrupt()  # evaluation: the next step does not follow this one
+            self.begin_forward(session.pacer.steps_seen)
+        else:
+            self.interrupt()  # evaluation: the next step does not follow this one
 
     def _batch_ready(self, session: PacingSession) -> None:
         # labelled by the steps the pacer saw: an optimizer step after an evaluation-only forward

@@ -27,6 +27,7 @@ from pace_strategy.integrations.accelerate.attach import (
     attach_pacing,
     is_paceable,
 )
+from pace_strategy.integrations.dashboard import add_scalars
 from pace_strategy.integrations.env import record_dir
 
 if TYPE_CHECKING:
@@ -103,8 +104,8 @@ class PacingCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         # Evaluation ran between two steps: its collectives are not the next step's sync points.
-        if self.handle is not None and self.handle.session is not None:
-            self.handle.session.pacer.interrupt()
+        if self.handle is not None:
+            self.handle.interrupt()
 
     @override
     def on_train_end(
@@ -226,13 +227,13 @@ class _TrainerTensorBoard:
             if writer is not None:
                 self._used, self._log_dir = writer, str(writer.get_logdir())
                 try:
-                    self._add(writer, metrics, global_step)
+                    add_scalars(writer, metrics, global_step)
                     return
                 except Exception:  # closed by the Trainer between the look-up and the write
                     pass
             own = self._own_writer()
             if own is not None:  # None: the Trainer has no TensorBoard writer, the run record only
-                self._add(own, metrics, global_step)
+                add_scalars(own, metrics, global_step)
 
     def _own_writer(self) -> Any | None:
         """Our writer in the Trainer's TensorBoard directory, for what comes after the Trainer closed
@@ -250,11 +251,6 @@ class _TrainerTensorBoard:
             writer = self._trainer_writer() or self._own_writer()
             if writer is not None:
                 writer.add_custom_scalars(dict(layout))
-
-    @staticmethod
-    def _add(writer: Any, metrics: Mapping[str, float], global_step: int) -> None:
-        for tag, value in metrics.items():
-            writer.add_scalar(tag, value, global_step)
 
     def close(self) -> None:
         with self._lock:

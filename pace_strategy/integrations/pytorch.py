@@ -30,13 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.driver import PacingDriver
-from pace_strategy.hooks.ddp import attach_paced_ddp
-from pace_strategy.integrations.dashboard import custom_scalars_sink
+from pace_strategy.integrations._model import data_rebalance, model_is_fsdp2, pace_model
+from pace_strategy.integrations.dashboard import add_scalars, custom_scalars_sink
 from pace_strategy.integrations.data import loader_workers, time_dataloader
 from pace_strategy.integrations.env import (
     PacingArg,
@@ -44,8 +43,9 @@ from pace_strategy.integrations.env import (
     config_from_env,
     default_run_dir,
     record_dir,
+    runs_alone,
 )
-from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance, share_scaled_allreduce
+from pace_strategy.integrations.rebalance import DataRebalance
 from pace_strategy.session import PacingSession
 
 __all__ = ["Pace", "PaceSummary", "attach"]
@@ -113,21 +113,6 @@ class Pace(PacingDriver):
             self.on_detach(hook.remove)
         return loader
 
-    def _rebalance(self) -> DataRebalance:
-        session = self.session
-        assert session is not None
-        rebalance = DataRebalance(
-            session.pacer,
-            session.pacer.rank,
-            session.pacer.world_size,
-            step_source=lambda: self.steps,
-            framework_prefetch=0,  # a plain loop trains the batch it just took
-        )
-        session.register_state(STATE_NAME, rebalance)
-        self.on_detach(rebalance.stop)
-        self.rebalance = rebalance
-        return rebalance
-
     def summary(self) -> PaceSummary:
         """What was measured so far (all of it after :meth:`finish`)."""
         session, tally = self.session, self.tally
@@ -164,16 +149,11 @@ def attach(
             that gets the ``pace/`` tags on rank 0, off the training thread. ``None``: the record only.
     """
     config = as_pacing_config(pacing) if pacing is not None else config_from_env() or PacingConfig()
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
-        log.warning("pace_strategy: a single process has no skew to monitor; attach does nothing")
+    world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if runs_alone(world_size, run_dir, record_alone=False, runs_as="attach does nothing"):
         return Pace(model, config, None)
-    fsdp = _is_fsdp2(model)
-    if not fsdp and not isinstance(model, DistributedDataParallel):
-        raise TypeError(
-            f"pace_strategy.attach needs a DistributedDataParallel model or one sharded with FSDP2 "
-            f"(fully_shard), got {type(model).__name__}."
-        )
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    fsdp = model_is_fsdp2(model, "pace_strategy.attach needs the model you train")
+    rank = dist.get_rank()
     log_dir = None
     if rank == 0:
         logged = writer.get_logdir() if writer is not None and hasattr(writer, "get_logdir") else None
@@ -185,49 +165,21 @@ def attach(
         device=_device(model),
         framework="pytorch",
         log_dir=log_dir,
-        metrics_sink=None if writer is None else functools.partial(_write_tags, writer),
+        metrics_sink=None if writer is None else functools.partial(add_scalars, writer),
         dashboard=None if writer is None else custom_scalars_sink(lambda: [writer]),
     )
     pace = Pace(model, config, session)
     try:
-        if fsdp:
-            if config.rebalance.enabled:
-                raise PacingConfigError(
-                    "rebalance=True is supported with DDP, not FSDP yet; set rebalance=False for this model."
-                )
-            from pace_strategy.hooks.fsdp import register_paced_collectives, unregister_paced_collectives
-
-            register_paced_collectives(model, session.pacer)
-            pace.on_detach(functools.partial(unregister_paced_collectives, model))
-        else:
-            assert isinstance(model, DistributedDataParallel)
-            if config.rebalance.enabled:  # the share factor goes on the gradient, in the comm hook
-                rebalance = pace._rebalance()
-                pace.on_detach(
-                    attach_paced_ddp(model, session.pacer, share_scaled_allreduce, rebalance).remove
-                )
-            else:
-                pace.on_detach(attach_paced_ddp(model, session.pacer).remove)
+        if config.rebalance.enabled:  # a plain loop trains the batch it just took: no prefetch
+            data_rebalance(pace, session, fsdp, lambda: pace.steps, prefetch=0)
+        pace_model(pace, model, session, fsdp)  # the share factor goes on the gradient, in the comm hook
     except BaseException:
         pace.detach()
         raise
     return pace
 
 
-def _write_tags(writer: Any, metrics: dict[str, float], step: int) -> None:
-    for tag, value in metrics.items():
-        writer.add_scalar(tag, value, step)
-
-
 def _device(model: nn.Module) -> torch.device:
     for parameter in model.parameters():
         return parameter.device
     return torch.device("cpu")
-
-
-def _is_fsdp2(model: nn.Module) -> bool:
-    try:
-        from pace_strategy.hooks.fsdp import fsdp_modules
-    except ImportError:
-        return False
-    return bool(fsdp_modules(model))

@@ -15,6 +15,7 @@ from pace_strategy.core.gc_monitor import GcMonitor
 from pace_strategy.core.gc_sync import GcSync, collect_decision
 from pace_strategy.core.pacer import Pacer
 from pace_strategy.core.records import NUM_FIELDS, Field
+from pace_strategy.core.shares import ShareSchedule
 
 
 def _window(dues: list[list[float]], first_step: int = 0) -> torch.Tensor:
@@ -51,7 +52,7 @@ def test_the_pacers_window_decision_carries_the_collection():
     sync = GcSync(
         pacer.config.replace(gc_sync=GcSyncConfig(enabled=pacer.config.gc_sync.enabled, warmup_steps=0))
     )
-    pacer.gc_sync = sync
+    pacer.controllers.gc_sync = sync
     try:
         sync.begin_step(0, 0)  # take over
         assert sync.active and sync.synchronized == 0
@@ -66,6 +67,25 @@ def test_the_pacers_window_decision_carries_the_collection():
     finally:
         sync.restore()
     assert gc.get_threshold() == threshold
+
+
+def test_a_collection_stands_beside_held_pacing():
+    # The controllers' second rule: a collection moves no delay and no share, so it is kept when
+    # rebalancing holds pacing (here: a split decided for a later step than the window's).
+    config = PacingConfig(exchange_every_steps=2, warmup_steps=0, gc_sync=True, rebalance=True)
+    pacer = Pacer(config, None, 0, 1)
+    schedule = ShareSchedule(64, 1)
+    pacer.attach_shares(schedule, 0)
+    schedule.add(100, (64,), "a later split")
+    sync = GcSync(config.replace(gc_sync=GcSyncConfig(enabled=True, warmup_steps=0)))
+    pacer.controllers.gc_sync = sync
+    try:
+        sync.begin_step(0, 0)
+        result = pacer._decide(_window([[0.8, 1.2]], first_step=2))
+        assert result.decision.reason.startswith("pacing held: the split [64] starts at step 100")
+        assert result.decision.gc_collect is not None and result.decision.gc_collect.due == (1.2,)
+    finally:
+        sync.restore()
 
 
 class _Job:

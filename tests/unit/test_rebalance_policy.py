@@ -36,6 +36,7 @@ from pace_strategy.core.rebalance import (
 from pace_strategy.core.records import NUM_FIELDS, Field
 from pace_strategy.core.shares import ShareSchedule
 from pace_strategy.core.state import PacingStateError
+from pace_strategy.data import restore_schedule
 from pace_strategy.diagnose.findings import Mode, diagnose
 from pace_strategy.integrations.env import config_from_env
 from pace_strategy.session import PacingSession
@@ -241,7 +242,8 @@ def test_attach_shares_checks_the_schedule_against_the_job():
     plain = Pacer(dataclasses.replace(CFG, rebalance=RebalanceConfig()), None, 0, 1)
     schedule = ShareSchedule(64, 1)
     plain.attach_shares(schedule, 2)
-    assert plain.shares is schedule and plain.rebalance is None  # attached, but not rebalanced
+    # attached, but not rebalanced
+    assert plain.shares is schedule and plain.controllers.rebalance.policy is None
 
 
 # ---------------------------------------------------------------------- the closed loop, real Pacers
@@ -441,20 +443,27 @@ def test_a_pipeline_that_builds_further_ahead_than_declared_is_an_error():
     assert "already built step" in str(results[0]) and "lookahead_steps" in str(results[0])
 
 
-def test_the_pacer_state_carries_the_splits_and_the_controller(slow_device):
-    # A resumed run gets the schedule's later splits and the controller back, whichever comes first.
+def test_the_pacer_state_carries_the_controller_and_the_sampler_the_splits(slow_device):
+    # One owner for the schedule: its splits are the data pipeline's to save (the sampler's state),
+    # the pacer saves the controller. A state written before (splits in the pacer's state too) still
+    # restores them, once, whichever comes first.
     entries, _, _, state = slow_device[1]
-    assert state["rebalance"]["entries"][-1]["samples"] == [40, 24]
+    assert set(state["rebalance"]) == {"version", "policy"}
+    saved = [{"from_step": e.from_step, "samples": list(e.samples), "reason": e.reason} for e in entries]
+    old = {**state, "rebalance": {**state["rebalance"], "entries": saved}}
     for attach_first in (True, False):
-        target, fresh = Pacer(CFG, None, 1, 2), ShareSchedule(64, 2)
-        if attach_first:
-            target.attach_shares(fresh, 3)
-        target.load_state_dict(state)
-        if not attach_first:
-            target.attach_shares(fresh, 3)
-        assert splits(fresh.entries) == splits(entries)
-        assert target.rebalance is not None and target.rebalance.shares == (40, 24)
-        assert target.state_dict() == state
+        for loaded, want in ((state, [(0, (32, 32))]), (old, splits(entries))):
+            target, fresh = Pacer(CFG, None, 1, 2), ShareSchedule(64, 2)
+            if attach_first:
+                target.attach_shares(fresh, 3)
+            target.load_state_dict(loaded)
+            if not attach_first:
+                target.attach_shares(fresh, 3)
+            restore_schedule(fresh, saved)  # the sampler's own restore: held already, not added twice
+            assert splits(fresh.entries) == splits(entries) and want[-1] in splits(fresh.entries)
+            policy = target.controllers.rebalance.policy
+            assert policy is not None and policy.shares == (40, 24)
+            assert target.state_dict() == state
 
 
 # ---------------------------------------------------------------------- telemetry and diagnosis
@@ -521,7 +530,8 @@ def test_a_damaged_rebalancing_state_changes_nothing(slow_device):
     late, schedule = Pacer(CFG, None, 1, 2), ShareSchedule(64, 2)
     late.load_state_dict(damaged)  # not attached yet: the pacing part loads, the rest waits
     late.attach_shares(schedule, 3)  # ... and starts fresh, with a warning
-    assert late.rebalance is not None and late.rebalance.shares == (32, 32) and len(schedule.entries) == 1
+    policy = late.controllers.rebalance.policy
+    assert policy is not None and policy.shares == (32, 32) and len(schedule.entries) == 1
 
 
 def test_the_reader_checks_shares_lines(recorded, tmp_path):

@@ -21,13 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-from torch.nn.parallel import DistributedDataParallel
-
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.driver import PacingDriver
-from pace_strategy.hooks.ddp import attach_paced_ddp
+from pace_strategy.integrations._model import data_rebalance, is_paceable, model_is_fsdp2, pace_model
 from pace_strategy.integrations._preemption import SigtermHandler
 from pace_strategy.integrations.dashboard import custom_scalars_sink
 from pace_strategy.integrations.data import loader_workers, time_dataloader
@@ -37,8 +34,9 @@ from pace_strategy.integrations.env import (
     config_from_env,
     default_run_dir,
     record_dir,
+    runs_alone,
 )
-from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance, share_scaled_allreduce
+from pace_strategy.integrations.rebalance import DataRebalance
 from pace_strategy.session import DashboardSink, MetricsSink, PacingSession
 
 __all__ = ["PacingHandle", "RebalanceLoop", "attach_pacing", "is_paceable"]
@@ -118,8 +116,7 @@ class PacingHandle(PacingDriver):
 
     # The hooks' entry points.
     def _begin(self, module: Any, args: Any) -> None:
-        if self.session is not None:  # a forward: the step begins, unless a batch began it
-            self.session.pacer.begin_step(self.steps)
+        self.begin_forward()
 
     def _batch_ready(self, session: PacingSession) -> None:
         self.begin_step()
@@ -191,17 +188,14 @@ def attach_pacing(
         config = config_from_env() or PacingConfig()
     elif any(k.startswith(ENV_PREFIX) and k not in NON_CONFIG_ENV for k in os.environ):
         log.info("pace_strategy: attach_pacing(config=...) given; PACE_* config variables are ignored")
-    if accelerator.num_processes < 2:
-        log.warning("pace_strategy: a single process has no skew to monitor; attach_pacing does nothing")
+    # accelerate wraps no model in DDP on one process: nothing to hook, whatever run_dir says
+    if runs_alone(
+        accelerator.num_processes, run_dir, record_alone=False, runs_as="attach_pacing does nothing"
+    ):
         handle = PacingHandle(model, config, None)
         _ATTACHED[id(model)] = handle
         return handle
-    fsdp = _is_fsdp2(model)
-    if not fsdp and not isinstance(model, DistributedDataParallel):
-        raise TypeError(
-            f"attach_pacing needs the model that accelerator.prepare returned, wrapped in "
-            f"DistributedDataParallel or sharded with FSDP2 (fsdp_version: 2), got {type(model).__name__}."
-        )
+    fsdp = model_is_fsdp2(model, "attach_pacing needs the model that accelerator.prepare returned")
     optimizer = _the_optimizer(accelerator) if optimizer is None else optimizer
     loaders = _prepared(accelerator, "dataloader") if dataloaders is None else list(dataloaders)
     rank = accelerator.process_index
@@ -222,9 +216,9 @@ def attach_pacing(
         loop = rebalance_loop or RebalanceLoop()
         if config.rebalance.enabled:
             micro_batches = loop.micro_batches or int(getattr(accelerator, "gradient_accumulation_steps", 1))
-            handle.rebalance = _rebalance_data(handle, session, loaders, fsdp, micro_batches, loop.prefetch)
-        scale = not loop.loss_over_global_batch
-        _register(handle, model, session, optimizer, loaders, fsdp, scale_gradient=scale)
+            _rebalance_data(handle, session, loaders, fsdp, micro_batches, loop.prefetch)
+        pace_model(handle, model, session, fsdp, scale_gradient=not loop.loss_over_global_batch)
+        _register(handle, model, session, optimizer, loaders)
     except BaseException:
         handle.detach()
         raise
@@ -288,21 +282,9 @@ def _register(
     session: PacingSession,
     optimizer: Any,
     loaders: list[Any],
-    fsdp: bool,
-    scale_gradient: bool,
 ) -> None:
+    """The step's hooks: a forward begins it (unless a batch did), the optimizer's step ends it."""
     undo = handle.on_detach  # undone in reverse order
-    if fsdp:
-        from pace_strategy.hooks.fsdp import register_paced_collectives, unregister_paced_collectives
-
-        register_paced_collectives(model, session.pacer)
-        undo(functools.partial(unregister_paced_collectives, model))
-    elif handle.rebalance is not None and scale_gradient:  # the share factor goes on the gradient
-        undo(attach_paced_ddp(model, session.pacer, share_scaled_allreduce, handle.rebalance).remove)
-    else:
-        undo(attach_paced_ddp(model, session.pacer).remove)
-    if handle.rebalance is not None:
-        undo(handle.rebalance.stop)
     undo(model.register_forward_pre_hook(handle._begin).remove)
     # accelerate's optimizer wrapper steps the wrapped optimizer only where gradients synchronize.
     inner = getattr(optimizer, "optimizer", optimizer)
@@ -321,33 +303,19 @@ def _rebalance_data(
     fsdp: bool,
     micro_batches: int,
     prefetch: int,
-) -> DataRebalance:
+) -> None:
     """``rebalance=True``: the one training loader rebuilt in place around the rebalancing batch
     sampler; the loss scale goes on the gradient, in a DDP comm hook (``accelerator.backward`` has no
     hook for the loss), unless the loop's loss is normalized over the global batch already
     (:class:`RebalanceLoop`). DDP's comm hook stays registered after :meth:`PacingHandle.detach` (DDP
     cannot remove one), at factor 1.0 once no batch comes from the rebalanced loader."""
-    if fsdp:
-        raise PacingConfigError(
-            "rebalance=True is supported with DDP (distributed_type MULTI_GPU/MULTI_CPU), not FSDP yet; "
-            "set rebalance=False for this model."
-        )
-    if len(loaders) != 1:
+    if len(loaders) != 1 and not fsdp:
         raise PacingConfigError(
             f"rebalance=True needs the one training DataLoader, found {len(loaders)} prepared: pass "
             "attach_pacing(..., dataloaders=[train_loader])."
         )
-    rebalance = DataRebalance(
-        session.pacer,
-        session.pacer.rank,
-        session.pacer.world_size,
-        step_source=lambda: handle.steps,
-        framework_prefetch=prefetch,
-        micro_batches=micro_batches,
-    )
+    rebalance = data_rebalance(handle, session, fsdp, lambda: handle.steps, prefetch, micro_batches)
     rebalance.replace_prepared(loaders[0])
-    session.register_state(STATE_NAME, rebalance)
-    return rebalance
 
 
 def _tensorboard_writers(accelerator: Any) -> list[Any]:
@@ -401,19 +369,3 @@ def _run_dir(accelerator: Any, run_dir: str | os.PathLike[str] | None) -> Path:
     found = record_dir(run_dir, logged, fallback=default_run_dir())
     assert found is not None, "a fallback is given"
     return found
-
-
-def is_paceable(obj: Any) -> bool:
-    """Whether :func:`attach_pacing` takes ``obj`` (on several processes): a DistributedDataParallel
-    model, or a module sharded with FSDP2."""
-    if isinstance(obj, DistributedDataParallel):
-        return True
-    return isinstance(obj, torch.nn.Module) and _is_fsdp2(obj)
-
-
-def _is_fsdp2(model: Any) -> bool:
-    try:
-        from pace_strategy.hooks.fsdp import fsdp_modules
-    except ImportError:
-        return False
-    return bool(fsdp_modules(model))
