@@ -10,7 +10,10 @@ process; the collective's cost from the ring model, not measured):
   on as well);
 - **rank 0's telemetry** per window, on its telemetry thread: per-step summaries, the run record's
   lines, and the TensorBoard tags (to a sink that only counts them);
-- **record bytes per rank-step**: the run record's size over ``W x steps``;
+- **record bytes per rank-step**: the run record's size over ``W x steps``, and the time rank 0's
+  telemetry thread spends writing a window's lines, for both record formats from the same windows:
+  ``jsonl`` (per-rank lists in every step line) and ``arrow`` (the step lines without them, and
+  the per-rank columns in ``pace_run.ranks.arrow``: float32, zstd);
 - the ring all-gather's latency term, ``(W - 1)`` hops at 5 and 30 us a hop (a gloo-over-TCP hop
   costs 20-50 us), which no longer hides behind a short step at thousands of ranks.
 
@@ -42,6 +45,7 @@ from pace_strategy.core.pacer import Pacer
 from pace_strategy.core.records import NUM_FIELDS, Field
 from pace_strategy.core.shares import ShareSchedule
 from pace_strategy.core.summary import StepSummarizer
+from pace_strategy.telemetry.columnar import RankColumnsWriter
 from pace_strategy.telemetry.run_record import RunRecordWriter
 from pace_strategy.telemetry.schema import step_metrics
 
@@ -78,8 +82,17 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
     record = RunRecordWriter(
         out / f"w{world}.jsonl", world_size=world, config=config.to_dict(), topology=[], framework="scale"
     )
+    columns = RankColumnsWriter(out / f"w{world}.ranks.arrow", world)
+    arrow = RunRecordWriter(
+        out / f"a{world}.jsonl",
+        world_size=world,
+        config=config.to_dict(),
+        topology=[],
+        framework="scale",
+        rank_columns=columns,
+    )
     tags = 0
-    decide_ms, pacing_ms, publish_ms = [], [], []
+    decide_ms, pacing_ms, publish_ms, jsonl_ms, arrow_ms = [], [], [], [], []
     for i in range(repeat + 1):
         g = window(world, steps, i * steps, seed=i)
         started = time.perf_counter()
@@ -93,13 +106,20 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         summaries = summarizer.summarize(g)
         for s in summaries:
             tags += len(step_metrics(s, config.per_rank_tag_limit, batch_shares=True))
+        written = time.perf_counter()
         record.write_window(summaries, None)
         published = time.perf_counter()
+        arrow.write_window(summaries, None)
         if i:  # the first window pays one-off costs (imports, allocations)
             decide_ms.append((decided - started) * 1e3)
             publish_ms.append((published - decided) * 1e3)
+            jsonl_ms.append((published - written) * 1e3)
+            arrow_ms.append((time.perf_counter() - published) * 1e3)
     record.close()
+    arrow.close()
     size = (out / f"w{world}.jsonl").stat().st_size
+    arrow_size = (out / f"a{world}.jsonl").stat().st_size + columns.path.stat().st_size
+    rank_steps = world * steps * (repeat + 1)
     received = (world - 1) * steps * NUM_FIELDS * 8
     return {
         "ranks": world,
@@ -109,7 +129,10 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         "decision_ms_pacing": statistics.median(pacing_ms),
         "decision_ms": statistics.median(decide_ms),
         "rank0_telemetry_ms": statistics.median(publish_ms),
-        "record_bytes_per_rank_step": size / (world * steps * (repeat + 1)),
+        "record_bytes_per_rank_step": size / rank_steps,
+        "arrow_record_bytes_per_rank_step": arrow_size / rank_steps,
+        "record_write_ms_jsonl": statistics.median(jsonl_ms),
+        "record_write_ms_arrow": statistics.median(arrow_ms),
         "tags_per_window": tags / (repeat + 1),
     }
 
@@ -125,7 +148,7 @@ def main() -> int:
     rows = []
     print(
         f"{'ranks':>6} {'received/window':>16} {'ring latency':>16} {'decision (+ rebalancing)':>25} "
-        f"{'rank-0 telemetry':>17} {'record':>12} {'tags/window':>12}"
+        f"{'rank-0 telemetry':>17} {'record jsonl | arrow (write/window)':>38} {'tags/window':>12}"
     )
     with tempfile.TemporaryDirectory(prefix="pace-scale-") as tmp:
         for world in (int(r) for r in args.ranks.split(",")):
@@ -136,7 +159,9 @@ def main() -> int:
                 f"{r['ring_latency_ms_fast']:>6.1f}-{r['ring_latency_ms_tcp']:<5.0f} ms "
                 f"{r['decision_ms_pacing']:>9.1f} ms ({r['decision_ms']:>7.1f} ms) "
                 f"{r['rank0_telemetry_ms']:>14.1f} ms "
-                f"{r['record_bytes_per_rank_step']:>8.0f} B/rs {r['tags_per_window']:>12,.0f}",
+                f"{r['record_bytes_per_rank_step']:>5.0f} B/rs {r['record_write_ms_jsonl']:>6.1f} ms | "
+                f"{r['arrow_record_bytes_per_rank_step']:>4.1f} B/rs {r['record_write_ms_arrow']:>6.1f} ms "
+                f"{r['tags_per_window']:>12,.0f}",
                 flush=True,
             )
     if args.json:

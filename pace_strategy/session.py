@@ -184,6 +184,12 @@ class PacingSession:
         self.restart_count = elastic_restart_count()
         if rank == 0 and config.run_record and log_dir is not None:
             self.record_path = Path(log_dir) / record_filename(self.restart_count)
+            columns = None
+            if config.record_format == "arrow":  # fails here, at start, without pyarrow
+                from pace_strategy.telemetry.columnar import RankColumnsWriter, rank_columns_filename
+
+                columns_path = self.record_path.with_name(rank_columns_filename(self.record_path.name))
+                columns = RankColumnsWriter(columns_path, world_size)
             self.record = RunRecordWriter(
                 self.record_path,
                 world_size=world_size,
@@ -194,6 +200,7 @@ class PacingSession:
                     "versions": {"pace_strategy": __version__, "torch": torch.__version__},
                     "restart_count": self.restart_count,
                 },
+                rank_columns=columns,
             )
         self._finished = False
         # Every rank times its own collections (a callback per collection, nothing per step); with

@@ -22,5 +22,5 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install --quiet "torch==2.13.0"
 fi
 echo "setup: installing pace_strategy and its dependencies into $VENV"
-"$PY" -m pip install --quiet -e ".[dev,accelerate,hf,prometheus]" 2> >(grep -v "is ignored: it is neither" >&2)
+"$PY" -m pip install --quiet -e ".[dev,accelerate,hf,prometheus,arrow]" 2> >(grep -v "is ignored: it is neither" >&2)
 echo "$want" > "$stamp"

@@ -18,6 +18,7 @@ from pace_strategy.telemetry.run_record import (
     attempt_number,
     attempt_records,
     iter_run_record,
+    rank_columns_of,
     read_run_record,
 )
 
@@ -195,7 +196,10 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
     objs = iter_run_record(p)
     header = next(objs)
     world = int(header["world_size"])
-    capacity = _line_count(p)
+    columnar = rank_columns_of(header)
+    # the per-rank fields come from the columnar file, when the record has one: no JSON lists here
+    capacity = _line_count(p) if columnar is None else 0
+    kept: list[int] = []  # with a columnar file: the indices of the kept steps among all step lines
     cols = {k: _Column(world, capacity) for k in _RANK_FIELDS + _OPTIONAL_RANK_FIELDS}
     host_bound = _Column(world, capacity, bool)
     every_rank_bound = [True] * world
@@ -212,6 +216,12 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
             total += 1
             if not obj["valid"] or obj["warmup"]:
                 continue
+            steps.append(obj["step"])
+            step_ms.append(obj["step_ms"])
+            active.append(obj["pacing_active"])
+            if columnar is not None:
+                kept.append(total - 1)
+                continue
             ranks = obj["ranks"]
             for k in _RANK_FIELDS:
                 cols[k].add(ranks[k])
@@ -221,9 +231,6 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
             # a step line without ``host_bound`` had every rank host-bound (the writer omits it
             # then; CPU runs and records written before the field never have it)
             host_bound.add(ranks.get("host_bound") or every_rank_bound)
-            steps.append(obj["step"])
-            step_ms.append(obj["step_ms"])
-            active.append(obj["pacing_active"])
         elif kind == "decision":
             decisions.append(obj)
         elif kind == "hang":
@@ -235,10 +242,20 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
         elif kind == TRUNCATED:
             truncated = True
 
+    loaded: dict[str, np.ndarray] = {}
+    if columnar is not None:
+        loaded, rows = _kept_rank_columns(p.with_name(columnar), world, kept, steps)
+        if rows < len(steps):  # steps whose rows were never written (a crash between the two files)
+            truncated = True
+            steps, step_ms, active = steps[:rows], step_ms[:rows], active[:rows]
+
     def arr(k: str) -> np.ndarray:
-        return cols[k].array()
+        return loaded[k] if columnar is not None else cols[k].array()
 
     def optional(k: str) -> np.ndarray | None:
+        if columnar is not None:
+            values = loaded[k]
+            return values if len(steps) and not np.isnan(values).any() else None
         return arr(k) if cols[k].rows == len(steps) and steps else None
 
     return RunArrays(
@@ -261,7 +278,7 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
         gc_collections=optional("gc_collections"),
         samples=optional("samples"),
         opt=optional("opt_ms"),
-        host_bound=host_bound.array(),
+        host_bound=host_bound.array() if columnar is None else loaded["host_bound"].astype(bool),
         shares=shares,
         hangs=hangs,
         attempts=_attempts(
@@ -277,6 +294,31 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
             },
         ),
     )
+
+
+def _kept_rank_columns(
+    path: Path, world: int, kept: Sequence[int], labels: Sequence[int]
+) -> tuple[dict[str, np.ndarray], int]:
+    """The per-rank arrays of the kept steps (``kept``: their indices among the record's step lines,
+    ``labels``: their step labels) from a columnar file, as the JSON lines would give them (rounded
+    to the microsecond), and how many of the kept steps it has rows for."""
+    from pace_strategy.telemetry.columnar import RankColumnsError, read_rank_columns
+
+    names = (*_RANK_FIELDS, *_OPTIONAL_RANK_FIELDS, "host_bound")
+    try:
+        columns, written, _ = read_rank_columns(path, world, names)
+    except RankColumnsError as error:
+        raise RunRecordError(str(error)) from error
+    index = np.asarray(kept, dtype=np.int64)
+    rows = int(np.searchsorted(index, len(written)))  # the kept steps that have rows
+    index = index[:rows]
+    if not np.array_equal(written[index], np.asarray(labels[:rows], dtype=np.int64)):
+        raise RunRecordError(f"{path} does not hold the steps of the record beside it: not one run")
+    out = {}
+    for name in names:
+        values = columns[name][index]
+        out[name] = values if name in ("host_bound", "gc_collections", "samples") else np.round(values, 3)
+    return out, rows
 
 
 # ---------------------------------------------------------------------- a run and its resumptions

@@ -123,7 +123,9 @@ class StepLine(Line):
     delay_ms_max: Number
     pacing_active: bool
     buckets: int
-    ranks: RankColumns
+    #: the per-rank lists; ``None`` (left out) where the header's ``rank_columns`` names the columnar
+    #: file that holds them (``record_format: arrow``)
+    ranks: RankColumns | None = field(default=None, metadata=OMIT)
 
 
 @dataclass

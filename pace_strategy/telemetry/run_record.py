@@ -27,8 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+import numpy as np
+
 from pace_strategy.core.glossary import coefficient_of_variation
 from pace_strategy.core.records import Decision, Field, StepSummary
+from pace_strategy.telemetry.columnar import COLUMNS_SCHEMA, COLUMNS_VERSION
 from pace_strategy.telemetry.record_lines import (
     LINE_KINDS,
     DecisionLine,
@@ -45,6 +48,7 @@ from pace_strategy.telemetry.record_lines import (
 
 if TYPE_CHECKING:  # the reader (pace diagnose) does not import torch
     from pace_strategy.core.rebalance import RebalanceDecision
+    from pace_strategy.telemetry.columnar import RankColumnsWriter
 
 __all__ = [
     "RECORD_FILENAME",
@@ -113,8 +117,9 @@ def _cleans(values: Iterable[float]) -> list[float | None]:
     return [_clean(v) for v in values]
 
 
-def step_line(s: StepSummary) -> StepLine:
-    """The line written for one step (the later per-rank columns only where the summary has them)."""
+def step_line(s: StepSummary, with_ranks: bool = True) -> StepLine:
+    """The line written for one step (the later per-rank columns only where the summary has them;
+    none at all without ``with_ranks``: the columnar file holds them)."""
     return StepLine(
         step=s.step,
         valid=s.valid,
@@ -144,7 +149,9 @@ def step_line(s: StepSummary) -> StepLine:
             # sparse: only where some rank's device was still behind its host (never on CPU); a
             # step without the column had every rank host-bound
             host_bound=list(s.host_bound) if s.host_bound and not all(s.host_bound) else None,
-        ),
+        )
+        if with_ranks
+        else None,
     )
 
 
@@ -215,8 +222,18 @@ class RunRecordWriter:
         topology: Sequence[Mapping[str, Any]],
         framework: str,
         extra: Mapping[str, Any] | None = None,
+        rank_columns: RankColumnsWriter | None = None,
     ) -> None:
         self.path = Path(path)
+        #: ``record_format: arrow``: where each step's per-rank columns go instead of its step line
+        self.rank_columns = rank_columns
+        extra = dict(extra or {})
+        if rank_columns is not None:
+            extra["rank_columns"] = {
+                "file": rank_columns.path.name,
+                "schema": COLUMNS_SCHEMA,
+                "version": COLUMNS_VERSION,
+            }
         # The hang watchdog writes from its own thread while the telemetry thread may write a window.
         self._lock = threading.Lock()
         self._file: IO[str] | None = None
@@ -256,7 +273,11 @@ class RunRecordWriter:
     ) -> None:
         """Append a window's step lines, its decision line and, when the rebalancing controller changed
         state or split, a ``shares`` line."""
-        steps = [step_line(s) for s in summaries]
+        summaries = list(summaries)
+        if self.rank_columns is not None:
+            # the columns first: a step line is never on disk without its ranks' rows
+            self.rank_columns.write(summaries)
+        steps = [step_line(s, with_ranks=self.rank_columns is None) for s in summaries]
         self.steps_written += len(steps)
         last = steps[-1].step if steps else -1
         lines: list[Line] = list(steps)
@@ -296,6 +317,8 @@ class RunRecordWriter:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+        if self.rank_columns is not None:
+            self.rank_columns.close()
 
     def add_after_header(self, obj: Line | Mapping[str, Any]) -> None:
         """A line that belongs right after the header (the ``resume`` line): kept, and serialized at
@@ -395,6 +418,7 @@ def read_run_record(path: str | os.PathLike[str]) -> RunRecord:
         )
     objs = iter_run_record(p)
     record = RunRecord(path=p, header=next(objs))
+    columns = rank_columns_of(record.header)
     for obj in objs:
         kind = obj.get("record")
         if kind == "step":
@@ -413,7 +437,55 @@ def read_run_record(path: str | os.PathLike[str]) -> RunRecord:
             record.end = obj
         elif kind == TRUNCATED:
             record.truncated = True
+    if columns is not None:
+        _attach_ranks(record, p.with_name(columns))
     return record
+
+
+def rank_columns_of(header: Mapping[str, Any]) -> str | None:
+    """The file name of the record's columnar per-rank file (``record_format: arrow``), or ``None``
+    when its step lines carry their ``ranks`` themselves."""
+    columns = header.get("rank_columns")
+    if not isinstance(columns, Mapping):
+        return None
+    name = columns.get("file")
+    return name if isinstance(name, str) and name else None
+
+
+def _attach_ranks(record: RunRecord, path: Path) -> None:
+    """Give each step line its ``ranks`` lists back from the columnar file (what every reader of
+    :class:`RunRecord` expects). Steps whose rows were never written (a crash between the two files)
+    are dropped, and the record reads as truncated."""
+    from pace_strategy.telemetry.columnar import RankColumnsError, read_rank_columns
+
+    try:
+        columns, labels, cut = read_rank_columns(path, record.world_size)
+    except RankColumnsError as error:
+        raise RunRecordError(str(error)) from error
+    if len(labels) < len(record.steps):
+        record.steps = record.steps[: len(labels)]
+        cut = True
+    record.truncated = record.truncated or cut
+    for i, step in enumerate(record.steps):
+        if labels[i] != step["step"]:
+            raise RunRecordError(
+                f"{path} row block {i} is step {labels[i]} but the record's step line {i} is step "
+                f"{step['step']}: the two files are not of one run"
+            )
+        ranks: dict[str, list[Any]] = {}
+        for name, values in columns.items():
+            row = values[i]
+            if np.isnan(row).all() and name in _OPTIONAL_RANK_FIELDS:
+                continue  # not recorded in this step
+            if name == "host_bound":
+                if row.all():
+                    continue  # written only where some rank was not host-bound, as in the JSON lines
+                ranks[name] = [int(v) for v in row]
+            elif name in ("gc_collections", "samples"):
+                ranks[name] = [int(v) for v in row]
+            else:
+                ranks[name] = [None if math.isnan(v) else round(float(v), 3) for v in row]
+        step["ranks"] = ranks
 
 
 #: ``record`` value of the marker object that ``iter_run_record`` yields for a cut-off last line.
@@ -439,6 +511,7 @@ def iter_run_record(p: Path) -> Iterator[dict[str, Any]]:
             raise RunRecordError(f"run record {p} is empty")
         header_seen = False
         world_size = 0
+        columnar = False  # the header names a columnar file: step lines carry no ``ranks``
         number = 0
         while line is not None:
             number += 1
@@ -452,9 +525,10 @@ def iter_run_record(p: Path) -> Iterator[dict[str, Any]]:
                 return
             if not header_seen:
                 world_size = _check_header(p, number, obj)
+                columnar = rank_columns_of(obj) is not None
                 header_seen = True
             else:
-                _check_line(p, number, obj, world_size)
+                _check_line(p, number, obj, world_size, columnar)
             yield obj
     if not header_seen:
         raise RunRecordError(_not_a_record(p, number))
@@ -552,7 +626,7 @@ def _check_header(p: Path, number: int, obj: Any) -> int:
     world = obj.get("world_size")
     if type(world) is not int or world < 1:
         raise _bad_line(p, number, f"header field 'world_size'={world!r} is not an integer >= 1")
-    for key, kind in (("config", dict), ("topology", list)):
+    for key, kind in (("config", dict), ("topology", list), ("rank_columns", dict)):
         if key in obj and type(obj[key]) is not kind:
             raise _bad_line(p, number, f"header field {key!r} is not {_TYPE_WORDS[kind]}")
     restarts = obj.get("restart_count", 0)
@@ -564,7 +638,7 @@ def _check_header(p: Path, number: int, obj: Any) -> int:
     return world
 
 
-def _check_line(p: Path, number: int, obj: Any, world_size: int) -> None:
+def _check_line(p: Path, number: int, obj: Any, world_size: int, columnar: bool = False) -> None:
     if not isinstance(obj, dict) or type(obj.get("record")) is not str:
         raise _bad_line(p, number, "not a JSON object with a 'record' field")
     kind = obj["record"]
@@ -595,7 +669,11 @@ def _check_line(p: Path, number: int, obj: Any, world_size: int) -> None:
     for key in ("straggler_rank", "compute_straggler_rank"):
         if not 0 <= obj[key] < world_size:
             raise _bad_line(p, number, f"step field {key!r}={obj[key]} is not a rank of the {world_size}")
-    ranks = obj["ranks"]
+    ranks = obj.get("ranks")
+    if ranks is None:
+        if columnar:
+            return
+        raise _bad_line(p, number, "step has no 'ranks' field")
     for key in _RANK_FIELDS + tuple(k for k in _OPTIONAL_RANK_FIELDS if k in ranks):
         values = ranks.get(key)
         if type(values) is not list or len(values) != world_size or not _are_numbers(values):
