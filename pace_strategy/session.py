@@ -10,6 +10,7 @@ its first write: a session that saw no training step leaves no file and no direc
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import itertools
 import logging
@@ -19,7 +20,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -67,6 +68,8 @@ _SESSION_NUMBERS = itertools.count()
 MetricsSink = Callable[[Mapping[str, float], int], None]
 #: Receives the dashboard layout once (e.g. a TensorBoard ``SummaryWriter.add_custom_scalars``).
 DashboardSink = Callable[[Mapping[str, Any]], None]
+#: torch's switch for gloo groups that connect each pair of ranks at its first message
+LAZY_GLOO_VARIABLE = "TORCH_GLOO_LAZY_INIT"
 
 
 def side_group(config: PacingConfig) -> dist.ProcessGroup | None:
@@ -86,7 +89,8 @@ def side_group(config: PacingConfig) -> dist.ProcessGroup | None:
         os.environ[GLOO_IFNAME_VARIABLE] = interface  # what gloo reads when it builds the group
         log.debug("pace_strategy: gloo side group over %s (%s)", interface, why)
     try:
-        return dist.new_group(backend="gloo", timeout=timedelta(seconds=config.exchange_timeout_s))
+        with _lazy_gloo_connections():
+            return dist.new_group(backend="gloo", timeout=timedelta(seconds=config.exchange_timeout_s))
     except Exception as error:
         where = (
             f"interface {interface} ({why})"
@@ -100,6 +104,26 @@ def side_group(config: PacingConfig) -> dist.ProcessGroup | None:
             f"{GLOO_IFNAME_VARIABLE} to the network interface the ranks reach each other through (the "
             "one NCCL_SOCKET_IFNAME or MASTER_ADDR uses), on every rank.",
         ) from error
+
+
+@contextlib.contextmanager
+def _lazy_gloo_connections() -> Iterator[None]:
+    """Build gloo groups that connect a pair of ranks at its first message, not all pairs up front.
+
+    An eager gloo group opens a connection to each of the W - 1 other ranks when it is built: 8,191
+    sockets per rank at 8,192 ranks, before the first step. The side group's collectives (the ring
+    all-gather of each window, a few gathers at start and end) reach a handful of peers, so with
+    ``TORCH_GLOO_LAZY_INIT`` a rank opens those only (measured with 8 processes: 1 socket at
+    creation instead of 8, 2 more at the first all-gather). Set only while the side group is built,
+    so the job's own gloo groups are left as they are; a value the user set is kept."""
+    if LAZY_GLOO_VARIABLE in os.environ:
+        yield
+        return
+    os.environ[LAZY_GLOO_VARIABLE] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(LAZY_GLOO_VARIABLE, None)
 
 
 class PacingSession:

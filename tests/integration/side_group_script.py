@@ -1,7 +1,9 @@
 """One rank of the side-group interface test: the job's own gloo group is built over the node's
 interface (as NCCL would find its way), then GLOO_SOCKET_IFNAME is taken away and pace_strategy's side
-group must find the interface by itself. Prints the interface it used and the all-reduced sum."""
+group must find the interface by itself. Prints the interface it used, the all-reduced sum and the
+sockets the side group opened when it was built (lazily connected: its listening socket only)."""
 
+import contextlib
 import os
 import sys
 from datetime import timedelta
@@ -15,8 +17,22 @@ from pace_strategy.session import side_group
 interface = os.environ["GLOO_SOCKET_IFNAME"]
 dist.init_process_group("gloo", timeout=timedelta(seconds=30))
 del os.environ["GLOO_SOCKET_IFNAME"]  # the job's group is up; the side group must choose alone
+
+
+def sockets() -> int:
+    """Open sockets of this process."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed by now
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return count
+
+
 try:
+    before = sockets()
     group = side_group(PacingConfig(exchange_timeout_s=15.0))
+    print(f"side group built with {sockets() - before} sockets")
+    assert "TORCH_GLOO_LAZY_INIT" not in os.environ  # set only while the group was built
     value = torch.ones(1)
     dist.all_reduce(value, group=group)
     print(f"side group over {os.environ.get('GLOO_SOCKET_IFNAME')} (job: {interface}) sum {value.item():g}")

@@ -300,3 +300,5 @@ def test_the_side_group_finds_the_interface_that_routes_to_the_master(tmp_path):
     for node, out, p in zip((a, b), outs, procs, strict=True):
         assert p.returncode == 0, out[-2000:]
         assert f"side group over {node.ifname} (job: {node.ifname}) sum 2" in out, out[-2000:]
+        # lazily connected: its listening socket only (an eager group also connects to the peer)
+        assert "side group built with 1 sockets" in out, out[-2000:]
