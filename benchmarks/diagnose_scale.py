@@ -6,7 +6,10 @@ report, and the peak memory (RSS) of the load and of the findings above what the
 before them (Linux: the peak is reset through /proc/self/clear_refs). The synthetic data only
 exercises size; the real-run tests check what the findings say.
 
-    python benchmarks/diagnose_scale.py [--steps 100000] [--ranks 64]
+The same record is diagnosed as JSON lines and, converted with ``pace convert``, with its per-rank
+columns in Arrow (``record_format: arrow``), side by side with their ratios.
+
+    python benchmarks/diagnose_scale.py [--steps 100000] [--ranks 64] [--formats jsonl,arrow]
 """
 
 from __future__ import annotations
@@ -24,12 +27,19 @@ from pace_strategy.diagnose.config import DiagnosisConfig
 from pace_strategy.diagnose.findings import diagnose
 from pace_strategy.diagnose.report import render_report
 from pace_strategy.telemetry.arrays import load_arrays
+from pace_strategy.telemetry.columnar import (
+    COLUMNS_SCHEMA,
+    COLUMNS_VERSION,
+    RankColumnsWriter,
+    rank_columns_filename,
+)
+from pace_strategy.telemetry.convert import convert_record
 from pace_strategy.telemetry.run_record import SCHEMA, SCHEMA_VERSION
 
 
-def write_record(path: Path, steps: int, ranks: int, per_node: int) -> None:
-    rng = np.random.default_rng(0)
-    topo = [
+def topology(ranks: int, per_node: int) -> list[dict[str, object]]:
+    """``per_node`` ranks on each host."""
+    return [
         {
             "rank": r,
             "host": f"gpu-{r // per_node:02d}",
@@ -38,6 +48,11 @@ def write_record(path: Path, steps: int, ranks: int, per_node: int) -> None:
         }
         for r in range(ranks)
     ]
+
+
+def write_record(path: Path, steps: int, ranks: int, per_node: int) -> None:
+    rng = np.random.default_rng(0)
+    topo = topology(ranks, per_node)
     header = {
         "record": "header",
         "schema": SCHEMA,
@@ -94,6 +109,68 @@ def write_record(path: Path, steps: int, ranks: int, per_node: int) -> None:
             print(f"  wrote {start + n:,}/{steps:,} steps", flush=True)
 
 
+def write_arrow_record(path: Path, steps: int, ranks: int, per_node: int) -> None:
+    """The same synthetic run written straight in the columnar form (no JSON per rank), for sizes
+    whose JSON lines would take many GB: the step lines of the global stream and one batch of
+    per-rank columns per 32 steps."""
+    rng = np.random.default_rng(0)
+    topo = topology(ranks, per_node)
+    columns = RankColumnsWriter(path.with_name(rank_columns_filename(path.name)), ranks)
+    header = {
+        "record": "header",
+        "schema": SCHEMA,
+        "version": SCHEMA_VERSION,
+        "framework": "synthetic",
+        "world_size": ranks,
+        "config": {},
+        "topology": topo,
+        "rank_columns": {"file": columns.path.name, "schema": COLUMNS_SCHEMA, "version": COLUMNS_VERSION},
+    }
+    slow = np.array([3.0 if t["local_rank"] == 5 else 0.0 for t in topo])
+    zeros = np.zeros((32, ranks))
+    with path.open("w") as f:
+        f.write(json.dumps(header) + "\n")
+        for start in range(0, steps, 32):
+            n = min(32, steps - start)
+            compute = np.round(40.0 + slow + rng.normal(0, 1.0, (n, ranks)), 3)
+            arrival = compute.max(axis=1, keepdims=True)
+            wait = np.round(arrival - compute + 5.0, 3)
+            step_ms = np.repeat(arrival + 6, ranks, axis=1)
+            labels = list(range(start, start + n))
+            columns.write_rows(
+                labels,
+                {"lead_ms": wait - wait.min(axis=1, keepdims=True), "compute_ms": compute, "wait_ms": wait,
+                 "delay_ms": zeros[:n], "step_ms": step_ms, "data_ms": zeros[:n], "gap_ms": zeros[:n]},
+            )  # fmt: skip
+            lines = []
+            for i in range(n):
+                w = wait[i]
+                lines.append(
+                    json.dumps(
+                        {
+                            "record": "step",
+                            "step": start + i,
+                            "valid": True,
+                            "warmup": False,
+                            "skew_ms": float(w.max() - w.min()),
+                            "straggler_rank": int(np.argmin(w)),
+                            "compute_straggler_rank": int(np.argmax(compute[i])),
+                            "step_ms": float(arrival[i, 0] + 6),
+                            "step_cv": 0.0,
+                            "wait_ms_min": float(w.min()),
+                            "wait_ms_max": float(w.max()),
+                            "delay_ms_max": 0.0,
+                            "pacing_active": False,
+                            "buckets": 4,
+                        }
+                    )
+                )
+            f.write("\n".join(lines) + "\n")
+            if (start // 32) % 500 == 0:
+                print(f"  wrote {start + n:,}/{steps:,} steps", flush=True)
+    columns.close()
+
+
 def _status_mb(key: str) -> float | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -117,36 +194,84 @@ def _peak_mb() -> float | None:
     return _status_mb("VmHWM")
 
 
+def measure(path: Path, out: Path) -> dict[str, float | str | None]:
+    """Load, findings and report of the record at ``path``: times (s) and peak RSS above what the
+    process held before (MB)."""
+    before = _reset_peak()
+    t0 = time.perf_counter()
+    arrays = load_arrays(path)
+    t1 = time.perf_counter()
+    load_peak = _peak_mb()
+    _reset_peak()
+    result = diagnose(arrays)
+    t2 = time.perf_counter()
+    findings_peak = _peak_mb()
+    render_report(arrays, result, out, DiagnosisConfig())
+    t3 = time.perf_counter()
+    arrays_mb = sum(v.nbytes for v in vars(arrays).values() if isinstance(v, np.ndarray)) / 1e6
+    known = before is not None and load_peak is not None and findings_peak is not None
+    return {
+        "load_s": t1 - t0,
+        "findings_s": t2 - t1,
+        "report_s": t3 - t2,
+        "total_s": t3 - t0,
+        "load_peak_mb": load_peak - before if known else None,  # type: ignore[operator]
+        "findings_peak_mb": findings_peak - before if known else None,  # type: ignore[operator]
+        "arrays_mb": arrays_mb,
+        "top": f"{result.findings[0].mode} ranks {result.findings[0].ranks}",
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=100_000)
     p.add_argument("--ranks", type=int, default=64)
     p.add_argument("--per-node", type=int, default=8)
+    p.add_argument(
+        "--formats",
+        default="jsonl,arrow",
+        help="record formats to diagnose, from the same record (arrow: converted with pace convert; "
+        "arrow alone: the record is written in that form directly, for sizes whose JSON would not fit)",
+    )
     args = p.parse_args()
+    formats = args.formats.split(",")
+    rows = {}
     with tempfile.TemporaryDirectory(prefix="pace-diag-") as tmp:
-        path = Path(tmp) / "pace_run.jsonl"
-        write_record(path, args.steps, args.ranks, args.per_node)
-        size_mb = path.stat().st_size / 1e6
-        before = _reset_peak()
-        t0 = time.perf_counter()
-        arrays = load_arrays(path)
-        t1 = time.perf_counter()
-        load_peak = _peak_mb()
-        _reset_peak()
-        result = diagnose(arrays)
-        t2 = time.perf_counter()
-        findings_peak = _peak_mb()
-        render_report(arrays, result, Path(tmp) / "report", DiagnosisConfig())
-        t3 = time.perf_counter()
-    print(f"{args.steps:,} steps x {args.ranks} ranks, record {size_mb:.0f} MB")
-    print(f"  load {t1 - t0:.1f} s, findings {t2 - t1:.1f} s, report {t3 - t2:.1f} s, total {t3 - t0:.1f} s")
-    if before is not None and load_peak is not None and findings_peak is not None:
-        arrays_mb = sum(v.nbytes for v in vars(arrays).values() if isinstance(v, np.ndarray)) / 1e6
+        path = Path(tmp) / "jsonl" / "pace_run.jsonl"
+        path.parent.mkdir()
+        sizes = {}
+        if formats == ["arrow"]:  # no JSON per rank at all: written in the columnar form directly
+            (Path(tmp) / "arrow").mkdir()
+            direct = Path(tmp) / "arrow" / "pace_run.jsonl"
+            write_arrow_record(direct, args.steps, args.ranks, args.per_node)
+            sizes["arrow"] = sum(f.stat().st_size for f in direct.parent.iterdir()) / 1e6
+        else:
+            write_record(path, args.steps, args.ranks, args.per_node)
+            sizes["jsonl"] = path.stat().st_size / 1e6
+        if "arrow" in formats and "jsonl" in formats:
+            started = time.perf_counter()
+            converted = convert_record(path, Path(tmp) / "arrow", to="arrow")
+            print(f"  converted to arrow in {time.perf_counter() - started:.1f} s", flush=True)
+            sizes["arrow"] = sum(f.stat().st_size for f in converted.parent.iterdir()) / 1e6
+        for form in formats:
+            record = path if form == "jsonl" else Path(tmp) / "arrow" / "pace_run.jsonl"
+            rows[form] = measure(record, Path(tmp) / f"report-{form}")
+    print(f"{args.steps:,} steps x {args.ranks} ranks")
+    for form, r in rows.items():
         print(
-            f"  peak RSS above the {before:.0f} MB held before: load +{load_peak - before:.0f} MB "
-            f"(the arrays: {arrays_mb:.0f} MB), findings +{findings_peak - before:.0f} MB"
+            f"  {form:>5}: record {sizes[form]:.0f} MB; load {r['load_s']:.1f} s, "
+            f"findings {r['findings_s']:.1f} s, "
+            f"report {r['report_s']:.1f} s, total {r['total_s']:.1f} s; peak RSS above the start: load "
+            f"+{r['load_peak_mb']:.0f} MB (the arrays: {r['arrays_mb']:.0f} MB), findings "
+            f"+{r['findings_peak_mb']:.0f} MB; top finding: {r['top']}"
         )
-    print(f"  top finding: {result.findings[0].mode} ranks {result.findings[0].ranks}")
+    if "jsonl" in rows and "arrow" in rows:
+        j, a = rows["jsonl"], rows["arrow"]
+        print(
+            f"  arrow / jsonl: record {sizes['arrow'] / sizes['jsonl']:.2f}, "
+            f"load {a['load_s'] / j['load_s']:.2f}, "
+            f"total {a['total_s'] / j['total_s']:.2f}, load peak {a['load_peak_mb'] / j['load_peak_mb']:.2f}"
+        )
     return 0
 
 

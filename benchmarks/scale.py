@@ -9,7 +9,9 @@ process; the collective's cost from the ring model, not measured):
   the window's statistics and pacing on the gathered ``[W, K, 17]`` tensor; then with rebalancing
   on as well);
 - **rank 0's telemetry** per window, on its telemetry thread: per-step summaries, the run record's
-  lines, and the TensorBoard tags (to a sink that only counts them);
+  lines, and the TensorBoard tags (to a sink that only counts them), with each record format (with
+  the columnar one, above ``per_rank_tag_limit`` the summaries build no per-rank tuples and the
+  rows are written straight from the window);
 - **record bytes per rank-step**: the run record's size over ``W x steps``, and the time rank 0's
   telemetry thread spends writing a window's lines, for both record formats from the same windows:
   ``jsonl`` (per-rank lists in every step line) and ``arrow`` (the step lines without them, and
@@ -79,6 +81,8 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         PacingConfig(exchange_every_steps=steps, warmup_steps=0), None, 0, world, ManualClock()
     )
     summarizer = StepSummarizer(config.cv_window_steps)
+    lean = StepSummarizer(config.cv_window_steps)  # the columnar record's: per-rank tuples only for tags
+    per_rank = world <= config.per_rank_tag_limit
     record = RunRecordWriter(
         out / f"w{world}.jsonl", world_size=world, config=config.to_dict(), topology=[], framework="scale"
     )
@@ -92,7 +96,7 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         rank_columns=columns,
     )
     tags = 0
-    decide_ms, pacing_ms, publish_ms, jsonl_ms, arrow_ms = [], [], [], [], []
+    decide_ms, pacing_ms, publish_ms, jsonl_ms, arrow_ms, arrow_publish_ms = [], [], [], [], [], []
     for i in range(repeat + 1):
         g = window(world, steps, i * steps, seed=i)
         started = time.perf_counter()
@@ -109,12 +113,19 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         written = time.perf_counter()
         record.write_window(summaries, None)
         published = time.perf_counter()
-        arrow.write_window(summaries, None)
+        # rank 0's telemetry with the columnar record: the same tags, the rows straight from the window
+        lean_summaries = lean.summarize(g, per_rank=per_rank)
+        for s in lean_summaries:
+            step_metrics(s, config.per_rank_tag_limit, batch_shares=True)
+        summarized = time.perf_counter()
+        arrow.write_window(lean_summaries, None, gathered=g)
+        arrow_done = time.perf_counter()
         if i:  # the first window pays one-off costs (imports, allocations)
             decide_ms.append((decided - started) * 1e3)
             publish_ms.append((published - decided) * 1e3)
             jsonl_ms.append((published - written) * 1e3)
-            arrow_ms.append((time.perf_counter() - published) * 1e3)
+            arrow_ms.append((arrow_done - summarized) * 1e3)
+            arrow_publish_ms.append((arrow_done - published) * 1e3)
     record.close()
     arrow.close()
     size = (out / f"w{world}.jsonl").stat().st_size
@@ -129,6 +140,7 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         "decision_ms_pacing": statistics.median(pacing_ms),
         "decision_ms": statistics.median(decide_ms),
         "rank0_telemetry_ms": statistics.median(publish_ms),
+        "rank0_telemetry_ms_arrow": statistics.median(arrow_publish_ms),
         "record_bytes_per_rank_step": size / rank_steps,
         "arrow_record_bytes_per_rank_step": arrow_size / rank_steps,
         "record_write_ms_jsonl": statistics.median(jsonl_ms),
@@ -148,7 +160,8 @@ def main() -> int:
     rows = []
     print(
         f"{'ranks':>6} {'received/window':>16} {'ring latency':>16} {'decision (+ rebalancing)':>25} "
-        f"{'rank-0 telemetry':>17} {'record jsonl | arrow (write/window)':>38} {'tags/window':>12}"
+        f"{'rank-0 telemetry jsonl | arrow':>31} {'record jsonl | arrow (write/window)':>38} "
+        f"{'tags/window':>12}"
     )
     with tempfile.TemporaryDirectory(prefix="pace-scale-") as tmp:
         for world in (int(r) for r in args.ranks.split(",")):
@@ -158,7 +171,7 @@ def main() -> int:
                 f"{world:>6,} {r['bytes_received_per_window'] / 1e6:>13.2f} MB "
                 f"{r['ring_latency_ms_fast']:>6.1f}-{r['ring_latency_ms_tcp']:<5.0f} ms "
                 f"{r['decision_ms_pacing']:>9.1f} ms ({r['decision_ms']:>7.1f} ms) "
-                f"{r['rank0_telemetry_ms']:>14.1f} ms "
+                f"{r['rank0_telemetry_ms']:>14.1f} ms | {r['rank0_telemetry_ms_arrow']:>7.1f} ms "
                 f"{r['record_bytes_per_rank_step']:>5.0f} B/rs {r['record_write_ms_jsonl']:>6.1f} ms | "
                 f"{r['arrow_record_bytes_per_rank_step']:>4.1f} B/rs {r['record_write_ms_arrow']:>6.1f} ms "
                 f"{r['tags_per_window']:>12,.0f}",

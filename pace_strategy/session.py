@@ -240,6 +240,11 @@ class PacingSession:
         self._publisher: _Publisher | None = None
         # Summaries are built on the telemetry thread: only rank 0 needs them, decisions do not.
         self._summarizer = StepSummarizer(config.cv_window_steps)
+        #: whether anything reads the summaries' per-rank tuples: the JSON record's step lines, or tags
+        #: per rank (up to ``per_rank_tag_limit``); a wide world with the columnar record has none
+        self._summaries_per_rank = world_size <= config.per_rank_tag_limit or (
+            self.record is not None and self.record.rank_columns is None
+        )
         #: what state_dict() saves, by name (the extension point: see register_state)
         self._state_components: dict[str, StatefulComponent] = {"pacer": self.pacer}
         self._unclaimed_state: dict[str, Any] = {}  # restored states whose component is not registered yet
@@ -354,7 +359,7 @@ class PacingSession:
         """One window to every sink (telemetry thread); ``tags=False``: the writer fell behind, this
         window's tags are dropped (its run-record rows are written all the same)."""
         self._log_warnings(result)
-        summaries = self._summarizer.summarize(result.gathered)
+        summaries = self._summarizer.summarize(result.gathered, per_rank=self._summaries_per_rank)
         if self._dashboard is not None:
             dashboard, self._dashboard = self._dashboard, None  # once, whatever happens
             try:
@@ -374,7 +379,7 @@ class PacingSession:
                 )
                 self.metrics_sink(metrics, summary.step)
         if self.record is not None:
-            self.record.write_window(summaries, result.decision, result.rebalance)
+            self.record.write_window(summaries, result.decision, result.rebalance, gathered=result.gathered)
         if self.endpoint is not None:
             self.endpoint.update(summaries, result.decision)
 

@@ -138,3 +138,20 @@ class StepSummary:
     opt_ms: tuple[float, ...] = ()
     #: per rank: 1 when the host was the bottleneck of the step (``Field.HOST_BOUND``)
     host_bound: tuple[int, ...] = ()
+    #: (median, min, max) of ``lead_ms`` over the ranks (the median: the upper one of an even count);
+    #: ``None``: take them from ``lead_ms``. Set by the summarizer, also where the per-rank tuples are
+    #: left empty (a wide world whose per-rank columns go to the columnar record)
+    lead_band: tuple[float, float, float] | None = None
+    #: the largest ``gc_ms`` over the ranks (``None``: take it from ``gc_ms``)
+    gc_ms_max: float | None = None
+
+    def lead_ms_band(self) -> tuple[float, float, float]:
+        """(median, min, max) of the ranks' leads."""
+        if self.lead_band is not None:
+            return self.lead_band
+        leads = sorted(self.lead_ms)
+        return (leads[len(leads) // 2], leads[0], leads[-1]) if leads else (0.0, 0.0, 0.0)
+
+    def largest_gc_ms(self) -> float:
+        """The longest time a rank spent in its garbage collector in this step, ms."""
+        return self.gc_ms_max if self.gc_ms_max is not None else max(self.gc_ms, default=0.0)

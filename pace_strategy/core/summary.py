@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -25,29 +26,47 @@ class StepSummarizer:
     def __init__(self, cv_window_steps: int) -> None:
         self._cv = _RollingCV(cv_window_steps)
 
-    def summarize(self, g: torch.Tensor) -> tuple[StepSummary, ...]:
-        """Summaries of the steps of one gathered window ``[world_size, steps, NUM_FIELDS]``."""
+    def summarize(self, g: torch.Tensor, per_rank: bool = True) -> tuple[StepSummary, ...]:
+        """Summaries of the steps of one gathered window ``[world_size, steps, NUM_FIELDS]``.
+
+        ``per_rank=False``: the per-rank tuples are left empty (each would be W Python numbers per
+        field per step: 2.9 million objects per window at 8,192 ranks); the step's own numbers and
+        the leads' band are kept. For a writer whose per-rank columns come from ``g`` itself (the
+        columnar record) and tags that are not per rank (above ``per_rank_tag_limit``)."""
+
+        def column(f: Field) -> torch.Tensor:
+            # [steps, ranks], contiguous: a reduction over a strided [ranks, steps] view of the window
+            # costs several times more at thousands of ranks
+            return g[:, :, f].T.contiguous()
+
+        wait = column(Field.WAIT_MS)
+        lead = glossary.lead_ms(wait, rank_axis=1)
+        # the median as ``sorted(leads)[W // 2]`` (the upper one of an even count), without a sort
+        median = lead.kthvalue(g.shape[0] // 2 + 1, dim=1).values
+        band = torch.stack((median, lead.amin(dim=1), lead.amax(dim=1)), dim=1).tolist()
+        gc_max = column(Field.GC_MS).amax(dim=1).tolist()
         # Columns become Python lists once: per-element tensor indexing would cost ~100 us per step.
-        wait = g[:, :, Field.WAIT_MS]
-        per_rank = {f: g[:, :, f].T.tolist() for f in Field}
-        leads = glossary.lead_ms(wait, rank_axis=0).T.tolist()
-        skew = glossary.skew_ms(wait, rank_axis=0).tolist()
-        transfer = glossary.transfer_ms(wait, rank_axis=0).tolist()
-        wait_max = wait.amax(dim=0).tolist()
-        valid = (g[:, :, Field.VALID] > 0).all(dim=0).tolist()
-        warm = (g[:, :, Field.WARMUP] > 0).any(dim=0).tolist()
-        straggler = glossary.straggler_rank(wait, rank_axis=0).tolist()
-        compute_straggler = g[:, :, Field.COMPUTE_MS].argmax(dim=0).tolist()
-        step_ms = g[:, :, Field.STEP_MS].amax(dim=0).tolist()
-        delay_max = g[:, :, Field.DELAY_MS].amax(dim=0).tolist()
-        buckets = g[:, :, Field.BUCKETS].amax(dim=0).tolist()
+        columns = {f: g[:, :, f].T.tolist() for f in Field} if per_rank else {}
+        leads = lead.tolist() if per_rank else []
+        steps = g[0, :, Field.STEP].tolist()
+        skew = glossary.skew_ms(wait, rank_axis=1).tolist()
+        transfer = glossary.transfer_ms(wait, rank_axis=1).tolist()
+        wait_max = wait.amax(dim=1).tolist()
+        valid = (column(Field.VALID) > 0).all(dim=1).tolist()
+        warm = (column(Field.WARMUP) > 0).any(dim=1).tolist()
+        straggler = glossary.straggler_rank(wait, rank_axis=1).tolist()
+        compute_straggler = column(Field.COMPUTE_MS).argmax(dim=1).tolist()
+        step_ms = column(Field.STEP_MS).amax(dim=1).tolist()
+        delay_max = column(Field.DELAY_MS).amax(dim=1).tolist()
+        buckets = column(Field.BUCKETS).amax(dim=1).tolist()
         out = []
         for i in range(g.shape[1]):
             if valid[i] and not warm[i]:
                 self._cv.add(step_ms[i])
+            ranks = _per_rank(columns, leads, i) if per_rank else _NO_RANKS
             out.append(
                 StepSummary(
-                    step=int(per_rank[Field.STEP][i][0]),
+                    step=int(steps[i]),
                     valid=bool(valid[i]),
                     warmup=bool(warm[i]),
                     skew_ms=skew[i],
@@ -59,22 +78,37 @@ class StepSummarizer:
                     wait_ms_max=wait_max[i],
                     delay_ms_max=delay_max[i],
                     pacing_active=delay_max[i] > 0.0,
-                    lead_ms=tuple(leads[i]),
-                    compute_ms=tuple(per_rank[Field.COMPUTE_MS][i]),
-                    wait_ms=tuple(per_rank[Field.WAIT_MS][i]),
-                    delay_ms=tuple(per_rank[Field.DELAY_MS][i]),
-                    rank_step_ms=tuple(per_rank[Field.STEP_MS][i]),
-                    data_ms=tuple(per_rank[Field.DATA_MS][i]),
-                    gap_ms=tuple(per_rank[Field.GAP_MS][i]),
                     buckets=int(buckets[i]),
-                    gc_ms=tuple(per_rank[Field.GC_MS][i]),
-                    gc_collections=tuple(int(v) for v in per_rank[Field.GC_COLLECTIONS][i]),
-                    samples=tuple(int(v) for v in per_rank[Field.SAMPLES][i]),
-                    opt_ms=tuple(per_rank[Field.OPT_MS][i]),
-                    host_bound=tuple(int(v) for v in per_rank[Field.HOST_BOUND][i]),
+                    lead_band=(band[i][0], band[i][1], band[i][2]),
+                    gc_ms_max=gc_max[i],
+                    **ranks,
                 )
             )
         return tuple(out)
+
+
+#: a summary without per-rank tuples (the later ones default to empty)
+_NO_RANKS: dict[str, Any] = dict.fromkeys(
+    ("lead_ms", "compute_ms", "wait_ms", "delay_ms", "rank_step_ms", "data_ms", "gap_ms"), ()
+)
+
+
+def _per_rank(columns: dict[Field, list[list[float]]], leads: list[list[float]], i: int) -> dict[str, Any]:
+    """Step ``i``'s per-rank tuples of a :class:`StepSummary`."""
+    return {
+        "lead_ms": tuple(leads[i]),
+        "compute_ms": tuple(columns[Field.COMPUTE_MS][i]),
+        "wait_ms": tuple(columns[Field.WAIT_MS][i]),
+        "delay_ms": tuple(columns[Field.DELAY_MS][i]),
+        "rank_step_ms": tuple(columns[Field.STEP_MS][i]),
+        "data_ms": tuple(columns[Field.DATA_MS][i]),
+        "gap_ms": tuple(columns[Field.GAP_MS][i]),
+        "gc_ms": tuple(columns[Field.GC_MS][i]),
+        "gc_collections": tuple(int(v) for v in columns[Field.GC_COLLECTIONS][i]),
+        "samples": tuple(int(v) for v in columns[Field.SAMPLES][i]),
+        "opt_ms": tuple(columns[Field.OPT_MS][i]),
+        "host_bound": tuple(int(v) for v in columns[Field.HOST_BOUND][i]),
+    }
 
 
 class _RollingCV:

@@ -250,12 +250,14 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
             steps, step_ms, active = steps[:rows], step_ms[:rows], active[:rows]
 
     def arr(k: str) -> np.ndarray:
-        return loaded[k] if columnar is not None else cols[k].array()
+        if columnar is None:
+            return cols[k].array()
+        return loaded[k] if k in loaded else np.full((len(steps), world), np.nan)
 
     def optional(k: str) -> np.ndarray | None:
         if columnar is not None:
-            values = loaded[k]
-            return values if len(steps) and not np.isnan(values).any() else None
+            values = loaded.get(k)
+            return values if values is not None and len(steps) and not np.isnan(values).any() else None
         return arr(k) if cols[k].rows == len(steps) and steps else None
 
     return RunArrays(
@@ -278,7 +280,7 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
         gc_collections=optional("gc_collections"),
         samples=optional("samples"),
         opt=optional("opt_ms"),
-        host_bound=host_bound.array() if columnar is None else loaded["host_bound"].astype(bool),
+        host_bound=host_bound.array() if columnar is None else arr("host_bound").astype(bool),
         shares=shares,
         hangs=hangs,
         attempts=_attempts(
@@ -305,20 +307,18 @@ def _kept_rank_columns(
     from pace_strategy.telemetry.columnar import RankColumnsError, read_rank_columns
 
     names = (*_RANK_FIELDS, *_OPTIONAL_RANK_FIELDS, "host_bound")
+    index = np.asarray(kept, dtype=np.int64)
     try:
-        columns, written, _ = read_rank_columns(path, world, names)
+        columns, written, _ = read_rank_columns(path, world, names, keep=index)
     except RankColumnsError as error:
         raise RunRecordError(str(error)) from error
-    index = np.asarray(kept, dtype=np.int64)
     rows = int(np.searchsorted(index, len(written)))  # the kept steps that have rows
-    index = index[:rows]
-    if not np.array_equal(written[index], np.asarray(labels[:rows], dtype=np.int64)):
+    if not np.array_equal(written[index[:rows]], np.asarray(labels[:rows], dtype=np.int64)):
         raise RunRecordError(f"{path} does not hold the steps of the record beside it: not one run")
-    out = {}
-    for name in names:
-        values = columns[name][index]
-        out[name] = values if name in ("host_bound", "gc_collections", "samples") else np.round(values, 3)
-    return out, rows
+    for name, values in columns.items():
+        if name not in ("host_bound", "gc_collections", "samples"):
+            np.round(values, 3, out=values)  # float32 back to the JSON lines' numbers
+    return columns, rows
 
 
 # ---------------------------------------------------------------------- a run and its resumptions

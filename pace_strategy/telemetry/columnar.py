@@ -125,10 +125,33 @@ class RankColumnsWriter:
         columns["host_bound"] = [s.host_bound for s in summaries]
         self.write_rows([s.step for s in summaries], columns)
 
-    def write_rows(self, steps: Sequence[int], columns: dict[str, list[Any]]) -> None:
+    def write_gathered(self, g: Any) -> None:
+        """One record batch straight from a gathered window (``[world_size, steps, NUM_FIELDS]``
+        float64, a torch tensor): no per-rank Python objects, the same values as :meth:`write`."""
+        from pace_strategy.core import glossary
+        from pace_strategy.core.records import Field
+
+        window = g.numpy()
+        if window.shape[1] == 0:
+            return
+        lead = glossary.lead_ms(window[:, :, Field.WAIT_MS], rank_axis=0)
+
+        def column(values: np.ndarray) -> np.ndarray:  # [ranks, steps] -> step-major [steps, ranks]
+            return np.ascontiguousarray(values.T)
+
+        columns: dict[str, Any] = {"lead_ms": column(lead)}
+        fields = {"compute_ms": Field.COMPUTE_MS, "wait_ms": Field.WAIT_MS, "delay_ms": Field.DELAY_MS,
+                  "step_ms": Field.STEP_MS, "data_ms": Field.DATA_MS, "gap_ms": Field.GAP_MS,
+                  "gc_ms": Field.GC_MS, "opt_ms": Field.OPT_MS, "gc_collections": Field.GC_COLLECTIONS,
+                  "samples": Field.SAMPLES, "host_bound": Field.HOST_BOUND}  # fmt: skip
+        for name, f in fields.items():
+            columns[name] = column(window[:, :, f])
+        self.write_rows(window[0, :, Field.STEP].astype(np.int64).tolist(), columns)
+
+    def write_rows(self, steps: Sequence[int], columns: dict[str, Any]) -> None:
         """One record batch from each step's per-rank values: ``columns[name][i]`` is step ``i``'s list
         (or tuple) of one value per rank, empty or ``None`` where the step lacks the column
-        (``host_bound``: every rank host-bound)."""
+        (``host_bound``: every rank host-bound); or ``columns[name]`` is a ``[steps, ranks]`` array."""
         if not steps:
             return
         batch = self._batch(steps, columns)
@@ -151,10 +174,12 @@ class RankColumnsWriter:
             pa.array(np.tile(np.arange(world, dtype=np.int32), count)),
         ]
         for name in FLOAT_COLUMNS:
-            arrays.append(_column(pa, columns.get(name) or [None] * count, world, np.float32))
+            arrays.append(_column(pa, columns.get(name), count, world, np.float32))
         for name in INT_COLUMNS:
-            arrays.append(_column(pa, columns.get(name) or [None] * count, world, np.int32))
-        bound = [b if b else (1,) * world for b in columns.get("host_bound") or [None] * count]
+            arrays.append(_column(pa, columns.get(name), count, world, np.int32))
+        bound = columns.get("host_bound")
+        if not isinstance(bound, np.ndarray):
+            bound = [b if b else (1,) * world for b in bound or [None] * count]
         arrays.append(pa.array(np.asarray(bound, dtype=bool).reshape(n)))
         return pa.RecordBatch.from_arrays(arrays, schema=self._schema)
 
@@ -166,17 +191,20 @@ class RankColumnsWriter:
                 self._writer = self._sink = None
 
 
-def _column(pa: Any, per_step: Sequence[Any], world: int, dtype: type) -> Any:
-    """One column from each step's per-rank values; null where a step lacks it or a value is not
-    finite (``None`` in a list). Durations are rounded to the microsecond first, as in the JSON lines,
-    so that float32 gives back the same numbers (to 3 decimals) up to ~8 s."""
-    n = len(per_step) * world
-    if not any(row for row in per_step if row is not None):
+def _column(pa: Any, per_step: Any, steps: int, world: int, dtype: type) -> Any:
+    """One column from each step's per-rank values (or a ``[steps, ranks]`` array); null where a step
+    lacks it or a value is not finite (``None`` in a list). Durations are rounded to the microsecond
+    first, as in the JSON lines, so that float32 gives back the same numbers (to 3 decimals) up to ~8 s."""
+    n = steps * world
+    if isinstance(per_step, np.ndarray):
+        values = per_step.astype(np.float64, copy=False)
+    elif per_step is None or not any(row for row in per_step if row is not None):
         return pa.nulls(n, type=pa.from_numpy_dtype(np.dtype(dtype)))
-    values = np.full((len(per_step), world), np.nan)
-    for i, row in enumerate(per_step):
-        if row:
-            values[i] = row  # numpy reads None as NaN
+    else:
+        values = np.full((steps, world), np.nan)
+        for i, row in enumerate(per_step):
+            if row:
+                values[i] = row  # numpy reads None as NaN
     flat = np.round(values.reshape(n), 3)
     missing = ~np.isfinite(flat)
     out: np.ndarray = np.where(missing, 0, flat).astype(dtype)
@@ -184,17 +212,22 @@ def _column(pa: Any, per_step: Sequence[Any], world: int, dtype: type) -> Any:
 
 
 def read_rank_columns(
-    path: str | Path, world_size: int, columns: Sequence[str] | None = None
+    path: str | Path,
+    world_size: int,
+    columns: Sequence[str] | None = None,
+    keep: np.ndarray | None = None,
 ) -> tuple[dict[str, np.ndarray], np.ndarray, bool]:
-    """The per-rank file ``path`` as ``[steps, world_size]`` arrays (float64, NaN for null; the
-    integer and boolean columns too), the step labels ``[steps]``, and whether its last batch was cut
-    off (a crash). ``columns``: only these (column projection); default all."""
+    """The per-rank file ``path`` as ``[steps, world_size]`` float64 arrays (NaN for null; the
+    integer and boolean columns too), the labels of every step it holds, and whether its last batch
+    was cut off (a crash). ``columns``: only these (column projection; default all); ``keep``: only
+    these steps (sorted indices among the file's steps; default all), filled batch by batch, so the
+    memory is the arrays returned and one batch; a column null in every kept step is then left out."""
     pa = _pyarrow()
     p = Path(path)
     if not p.is_file():
         raise RankColumnsError(f"{p} is missing: the run record's per-rank columns are written there")
-    batches = []
     truncated = False
+    labels: list[np.ndarray] = []
     with pa.memory_map(str(p)) as source:
         try:
             reader = pa.ipc.open_stream(source)
@@ -207,6 +240,14 @@ def read_rank_columns(
                 f"{COLUMNS_SCHEMA!r} up to version {COLUMNS_VERSION}"
             )
         wanted = list(columns) if columns is not None else [f.name for f in reader.schema][2:]
+        # with ``keep``: filled in place; without: every batch's arrays, joined at the end
+        # with ``keep``: filled in place, a column's array made at its first value (a column null
+        # throughout, as ``gc_ms`` where it was not recorded, is left out of the result); without:
+        # every batch's arrays, joined at the end
+        out: dict[str, np.ndarray] = {}
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in wanted}
+        filled = 0  # rows of ``out`` written
+        first = 0  # the index of the batch's first step among the file's steps
         while True:
             try:
                 batch = reader.read_next_batch()
@@ -215,24 +256,33 @@ def read_rank_columns(
             except (pa.ArrowInvalid, OSError):  # a batch cut off by a crash: the rest is intact
                 truncated = True
                 break
-            batches.append(batch.select(["step", *wanted]))
-    rows = sum(b.num_rows for b in batches)
-    if rows % world_size:
-        raise RankColumnsError(f"{p} has {rows} rows, not a whole number of steps of {world_size} ranks")
-    steps = rows // world_size
-    out: dict[str, np.ndarray] = {}
-    for name in wanted:
-        column = np.empty(rows, dtype=np.float64)
-        at = 0
-        for b in batches:
-            chunk = b.column(name)
-            column[at : at + len(chunk)] = chunk.to_numpy(zero_copy_only=False)
-            at += len(chunk)
-        out[name] = column.reshape(steps, world_size)
-    labels = np.empty(steps, dtype=np.int64)
-    at = 0
-    for b in batches:
-        step = b.column("step").to_numpy()[::world_size]
-        labels[at : at + len(step)] = step
-        at += len(step)
-    return out, labels, truncated
+            if batch.num_rows % world_size:
+                raise RankColumnsError(
+                    f"{p}: a batch of {batch.num_rows} rows is not whole steps of {world_size}"
+                )
+            count = batch.num_rows // world_size
+            labels.append(batch.column("step").to_numpy()[::world_size])
+            rows = None
+            if keep is not None:
+                lo, hi = np.searchsorted(keep, (first, first + count))
+                rows = keep[lo:hi] - first
+            for name in wanted:
+                values = batch.column(name).to_numpy(zero_copy_only=False).reshape(count, world_size)
+                if rows is None:
+                    parts[name].append(values.astype(np.float64))
+                    continue
+                if name not in out:
+                    if batch.column(name).null_count == batch.num_rows:
+                        continue  # null so far: no array yet
+                    assert keep is not None
+                    out[name] = np.empty((len(keep), world_size))
+                    out[name][:filled] = np.nan
+                out[name][filled : filled + len(rows)] = values[rows]
+            filled += count if rows is None else len(rows)
+            first += count
+    if keep is None:
+        out = {
+            name: np.concatenate(parts[name]) if parts[name] else np.empty((0, world_size)) for name in wanted
+        }
+    steps = np.concatenate(labels).astype(np.int64) if labels else np.empty(0, dtype=np.int64)
+    return {name: values[:filled] for name, values in out.items()}, steps, truncated

@@ -109,18 +109,18 @@ class MetricsEndpoint:
         g["pace_straggler_rank"].set(last.straggler_rank)
         g["pace_delay_ms_max"].set(last.delay_ms_max)
         g["pace_pacing_active"].set(1.0 if last.pacing_active else 0.0)
-        g["pace_gc_ms_max"].set(max(last.gc_ms, default=0.0))
+        g["pace_gc_ms_max"].set(last.largest_gc_ms())
         if self.per_rank:
             for rank, lead in enumerate(last.lead_ms):
                 self._lead.labels(rank=str(rank)).set(lead)
             for rank, samples in enumerate(last.samples):
                 if samples:
                     self._share.labels(rank=str(rank)).set(samples)
-        elif last.lead_ms:
-            leads = sorted(last.lead_ms)
-            self._band["pace_lead_ms_median"].set(leads[len(leads) // 2])
-            self._band["pace_lead_ms_min"].set(leads[0])
-            self._band["pace_lead_ms_max"].set(leads[-1])
+        else:
+            median, low, high = last.lead_ms_band()
+            self._band["pace_lead_ms_median"].set(median)
+            self._band["pace_lead_ms_min"].set(low)
+            self._band["pace_lead_ms_max"].set(high)
 
     def hang(self) -> None:
         """The watchdog named hung ranks."""

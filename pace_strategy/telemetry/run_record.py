@@ -270,13 +270,18 @@ class RunRecordWriter:
         summaries: Iterable[StepSummary],
         decision: Decision | None,
         rebalance: RebalanceDecision | None = None,
+        gathered: Any = None,
     ) -> None:
         """Append a window's step lines, its decision line and, when the rebalancing controller changed
-        state or split, a ``shares`` line."""
+        state or split, a ``shares`` line. ``gathered``: the window the summaries were made of (a
+        columnar record's rows are taken from it, not from the summaries' per-rank tuples)."""
         summaries = list(summaries)
         if self.rank_columns is not None:
             # the columns first: a step line is never on disk without its ranks' rows
-            self.rank_columns.write(summaries)
+            if gathered is not None:
+                self.rank_columns.write_gathered(gathered)
+            else:
+                self.rank_columns.write(summaries)
         steps = [step_line(s, with_ranks=self.rank_columns is None) for s in summaries]
         self.steps_written += len(steps)
         last = steps[-1].step if steps else -1

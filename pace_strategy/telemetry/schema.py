@@ -95,15 +95,12 @@ def step_metrics(
         WAIT_MS_MAX: summary.wait_ms_max,
         DELAY_MS_MAX: summary.delay_ms_max,
         PACING_ACTIVE: 1.0 if summary.pacing_active else 0.0,
-        GC_MS_MAX: max(summary.gc_ms, default=0.0),
+        GC_MS_MAX: summary.largest_gc_ms(),
         STEP_MS_LOW: summary.step_ms * (1.0 - summary.step_cv),
         STEP_MS_HIGH: summary.step_ms * (1.0 + summary.step_cv),
     }
-    if len(summary.lead_ms) > per_rank_tag_limit:
-        leads = sorted(summary.lead_ms)
-        metrics[LEAD_MS_MEDIAN] = leads[len(leads) // 2]
-        metrics[LEAD_MS_MIN] = leads[0]
-        metrics[LEAD_MS_MAX] = leads[-1]
+    if len(summary.lead_ms) > per_rank_tag_limit or not summary.lead_ms:
+        metrics[LEAD_MS_MEDIAN], metrics[LEAD_MS_MIN], metrics[LEAD_MS_MAX] = summary.lead_ms_band()
     else:
         for rank, value in enumerate(summary.lead_ms):
             metrics[lead_tag(rank)] = value

@@ -128,3 +128,36 @@ def test_a_columnar_file_of_another_run_is_refused(sessions, tmp_path):
 def test_the_record_format_is_checked_at_start():
     with pytest.raises(PacingConfigError, match="record_format='parquet'"):
         PacingConfig(record_format="parquet")
+
+
+def test_a_wide_world_is_summarized_without_per_rank_objects(tmp_path):
+    # Above per_rank_tag_limit with the columnar record, rank 0 builds no per-rank tuples: the tags
+    # and the columns come out the same as from the full summaries.
+    import torch
+
+    from pace_strategy.core.records import NUM_FIELDS, Field
+    from pace_strategy.core.summary import StepSummarizer
+    from pace_strategy.telemetry.columnar import RankColumnsWriter
+    from pace_strategy.telemetry.schema import step_metrics
+
+    world, steps = 100, 6
+    g = (
+        torch.rand(world, steps, NUM_FIELDS, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        * 50
+    )
+    g[:, :, Field.STEP] = torch.arange(steps, dtype=torch.float64)
+    g[:, :, Field.VALID] = 1.0
+    g[:, :, Field.WARMUP] = 0.0
+    for f in (Field.GC_COLLECTIONS, Field.SAMPLES, Field.HOST_BOUND):
+        g[:, :, f] = g[:, :, f].round() % 2
+    full, lean = StepSummarizer(50).summarize(g), StepSummarizer(50).summarize(g, per_rank=False)
+    assert not lean[0].wait_ms and full[0].wait_ms
+    assert [step_metrics(s, 64) for s in lean] == [step_metrics(s, 64) for s in full]
+    assert "pace/lead_ms/median" in step_metrics(lean[0], 64)
+    a, b = RankColumnsWriter(tmp_path / "a.arrow", world), RankColumnsWriter(tmp_path / "b.arrow", world)
+    a.write(full)
+    b.write_gathered(g)
+    a.close()
+    b.close()
+    read = [pa.ipc.open_stream(str(tmp_path / n)).read_all() for n in ("a.arrow", "b.arrow")]
+    assert read[0].num_rows == world * steps and read[0].equals(read[1])
