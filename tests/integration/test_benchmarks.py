@@ -5,6 +5,7 @@ Not a check of what pacing achieves: the benchmark's numbers are not pass/fail (
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -63,14 +64,29 @@ def test_pacing_ab_smoke_run_writes_both_arms(tmp_path):
     assert "| persistent | 4 |" in table
 
 
-def test_the_control_scenario_runs_plain_ddp_against_itself(tmp_path):
-    done, row, table = _smoke_run(tmp_path, "control", steps=20)
-    progress = [line for line in done.stdout.splitlines() if line.startswith("[")]
-    assert len(progress) == 2 and all(" ddp " in line and "paced_ddp" not in line for line in progress)
-    assert row["candidate"] == "ddp"
-    assert 0.5 < row["throughput_ratio_median"] < 2.0
+def test_the_control_scenario_runs_plain_ddp_against_itself(tmp_path, monkeypatch, capsys):
+    """The A/A control's wiring: both arms of each pair launch plain ``ddp``, nothing is read from a
+    record, and the table names it. The demo runs themselves are replaced by step times of our own
+    (the persistent smoke run above launches real ones through the same ``run_demo``)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import pacing_ab
+
+    launched = []
+
+    def fake_run_demo(workdir, number, demo, skip, fabric):
+        launched.append(demo[demo.index("--strategy") + 1])
+        return [50.0 + number] * 10, None  # no record: a plain ddp run writes none
+
+    monkeypatch.setattr(pacing_ab, "run_demo", fake_run_demo)
+    (control,) = [s for s in pacing_ab.scenarios(20.0, 150.0) if s.name == "control"]
+    args = argparse.Namespace(repeats=2, steps=20, skip=5, t0=0.0)
+    row = pacing_ab.run_scenario(control, args, tmp_path, [0, 4])
+    assert launched == ["ddp"] * 4 and row["candidate"] == "ddp"
+    assert row["throughput_ratios"] == pytest.approx([51 / 52, 54 / 53])  # the pairs alternate
     assert "in_run_ratio" not in row  # no paced run, no record: nothing measured from the inside
-    assert "| control (ddp vs ddp) | 4 |" in table
+    assert "| control (ddp vs ddp) | 4 |" in pacing_ab.markdown([row], "", {})
+    progress = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(progress) == 4 and all(" ddp " in line and "paced_ddp" not in line for line in progress)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the test bed needs root (network namespaces)")

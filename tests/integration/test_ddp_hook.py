@@ -272,9 +272,23 @@ def _run(
     return torch.load(out / f"{'paced' if paced else 'plain'}.pt")
 
 
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """The unpaced run of 2 ranks, with the user's hook or DDP's built-in reduction: made once, for
+    both monitors' comparisons."""
+    runs: dict[bool, dict] = {}
+
+    def get(user_hook: bool) -> dict:
+        if user_hook not in runs:
+            runs[user_hook] = _run(tmp_path_factory.mktemp("plain"), paced=False, user_hook=user_hook)
+        return runs[user_hook]
+
+    return get
+
+
 @pytest.mark.parametrize("monitor", ["grad_ready", "comm_hook"])
-def test_user_hook_runs_and_weights_match_unpaced(tmp_path, monitor):
-    plain = _run(tmp_path, paced=False)
+def test_user_hook_runs_and_weights_match_unpaced(tmp_path, monitor, plain_run):
+    plain = plain_run(True)
     paced = _run(tmp_path, paced=True, monitor=monitor)
     assert paced["fp16_calls"] == plain["fp16_calls"] >= STEPS  # the user's hook ran inside ours
     assert max(paced["delays"]) > 1.0, f"no delay was applied: {paced['delays']}"
@@ -283,8 +297,8 @@ def test_user_hook_runs_and_weights_match_unpaced(tmp_path, monitor):
 
 
 @pytest.mark.parametrize("monitor", ["grad_ready", "comm_hook"])
-def test_paced_over_several_buckets_matches_ddps_own_bits(tmp_path, monitor):
-    plain = _run(tmp_path, paced=False, user_hook=False)  # DDP's built-in reduction, no hook
+def test_paced_over_several_buckets_matches_ddps_own_bits(tmp_path, monitor, plain_run):
+    plain = plain_run(False)  # DDP's built-in reduction, no hook
     # grad_ready: DDP's built-in reduction under the monitor; comm_hook: the pacing hook's all-reduce
     paced = _run(tmp_path, paced=True, user_hook=False, monitor=monitor)
     if monitor == "comm_hook":

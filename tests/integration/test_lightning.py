@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import statistics
+import subprocess
+import time
+import urllib.request
 from unittest import mock
 
 import pytest
@@ -15,7 +18,15 @@ from torch.utils.data import DataLoader
 
 from pace_strategy.integrations.lightning import PacedDDPStrategy
 from pace_strategy.telemetry import TAGS, lead_tag, read_run_record
-from tests.integration.helpers import check_dashboard, only_version_dir, read_scalars, run_demo
+from tests.integration.helpers import (
+    check_dashboard,
+    demo_command,
+    free_port,
+    only_version_dir,
+    parse_metrics,
+    read_scalars,
+    run_demo,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(200)]
 
@@ -24,8 +35,29 @@ WARMUP = 5  # PacingConfig().warmup_steps
 
 
 def test_paced_ddp_telemetry_names_the_injected_straggler(tmp_path):
-    out = run_demo(tmp_path, *COMMON, "--steps", "60", "--straggler", "1:40", "--strategy", "paced_ddp")
-    assert out.returncode == 0, out.stderr[-4000:]
+    """TensorBoard (with its dashboard), the run record, the demo's summary and, while the Trainer
+    trains, rank 0's live Prometheus endpoint scraped over HTTP: one run."""
+    steps, port = 110, free_port()
+    command = demo_command(
+        tmp_path, *COMMON, "--steps", str(steps), "--straggler", "1:40", "--strategy", "paced_ddp",
+        "--pacing", f"metrics_port={port}",
+    )  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # files, not pipes nobody reads while it trains
+    with (tmp_path / "out.log").open("w") as out, (tmp_path / "err.log").open("w") as err:
+        proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=err)
+        try:
+            scraped = scrape_while_running(proc, port, until_steps=40, timeout_s=150)
+            proc.wait(timeout=150)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    stdout, stderr = (tmp_path / "out.log").read_text(), (tmp_path / "err.log").read_text()
+    assert proc.returncode == 0, stderr[-4000:]
+    assert scraped.get("pace_steps_total", 0.0) >= 40, scraped  # scraped over HTTP during training
+    assert scraped["pace_straggler_rank"] == 1.0 and scraped['pace_lead_ms{rank="1"}'] == 0.0, scraped
+    assert 20.0 < scraped['pace_lead_ms{rank="0"}'] < 60.0, scraped
     log_dir = only_version_dir(tmp_path)
     scalars = read_scalars(log_dir)
     charts = check_dashboard(log_dir)  # TensorBoard's Custom Scalars tab: the ranks side by side
@@ -33,8 +65,8 @@ def test_paced_ddp_telemetry_names_the_injected_straggler(tmp_path):
     assert lead == [[r"pace/lead_ms/rank_\d+"]], charts
     for tag in (*TAGS, lead_tag(0), lead_tag(1)):
         assert tag in scalars, f"missing {tag}; have {sorted(scalars)}"
-        assert sorted(scalars[tag]) == list(range(60)), f"{tag} not logged at every global step"
-    post = [s for s in range(60) if s >= WARMUP]
+        assert sorted(scalars[tag]) == list(range(steps)), f"{tag} not logged at every global step"
+    post = [s for s in range(steps) if s >= WARMUP]
     stragglers = [scalars["pace/straggler_rank"][s] for s in post]
     assert sum(r == 1.0 for r in stragglers) / len(post) >= 0.9, stragglers
     median_skew = statistics.median(scalars["pace/skew_ms"][s] for s in post)
@@ -42,15 +74,34 @@ def test_paced_ddp_telemetry_names_the_injected_straggler(tmp_path):
     # the grad-ready monitor (the default) saw every step's sync point; it does not time buckets
     record = read_run_record(log_dir)
     assert record.end["status"] == "completed"
-    assert [s["step"] for s in record.steps] == list(range(60))
+    assert [s["step"] for s in record.steps] == list(range(steps))
     assert all(s["valid"] and s["buckets"] == 0 for s in record.steps)
     assert [t["rank"] for t in record.header["topology"]] == [0, 1]
     assert [t["local_rank"] for t in record.header["topology"]] == [0, 1]
     assert [t["dataloader_workers"] for t in record.header["topology"]] == [0, 0]  # the demo's loader
     # the demo's own summary table, with no third-party deprecation warning before it
-    assert "straggler             rank 1 in" in out.stdout
-    assert "pace_run.jsonl" in out.stdout
-    assert "LeafSpec" not in out.stderr, out.stderr[-2000:]
+    assert "straggler             rank 1 in" in stdout
+    assert "pace_run.jsonl" in stdout
+    assert "LeafSpec" not in stderr, stderr[-2000:]
+
+
+def scrape_while_running(
+    proc: subprocess.Popen[bytes], port: int, until_steps: int, timeout_s: float
+) -> dict:
+    """The last scrape of rank 0's endpoint while ``proc`` trains, once it counts ``until_steps``."""
+    scraped: dict[str, float] = {}
+    deadline = time.time() + timeout_s
+    while proc.poll() is None and time.time() < deadline:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError:  # not serving yet (the trainer starts the session at setup)
+            time.sleep(0.2)
+            continue
+        scraped = parse_metrics(text)
+        if scraped.get("pace_steps_total", 0.0) >= until_steps:
+            break
+        time.sleep(0.2)
+    return scraped
 
 
 def test_forced_pacing_gives_weights_identical_to_plain_ddp(tmp_path):
@@ -187,42 +238,3 @@ def test_a_user_comm_hook_does_the_communication_on_cpu(tmp_path, monitor):
                 dist.destroy_process_group()
     assert buckets == wrapped_calls == [0, 0, 0], (buckets, wrapped_calls)
     assert [s["step"] for s in read_run_record(tmp_path).steps] == [0, 1, 2]
-
-
-def test_rank_0_serves_live_prometheus_metrics_while_the_trainer_trains(tmp_path):
-    import subprocess
-    import time
-    import urllib.request
-
-    from tests.integration.helpers import demo_command, free_port, parse_metrics
-
-    port = free_port()
-    command = demo_command(
-        tmp_path, *COMMON, "--steps", "150", "--straggler", "1:20", "--pacing", f"metrics_port={port}"
-    )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    log = (tmp_path / "demo.log").open("w")  # a file, not a pipe nobody reads while it trains
-    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
-    scraped: dict[str, float] = {}
-    try:
-        deadline = time.time() + 150
-        while proc.poll() is None and time.time() < deadline:
-            try:
-                text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-            except OSError:  # not serving yet (the trainer starts the session at setup)
-                time.sleep(0.2)
-                continue
-            scraped = parse_metrics(text)
-            if scraped.get("pace_steps_total", 0.0) >= 40:
-                break
-            time.sleep(0.2)
-        proc.wait(timeout=150)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-    assert proc.returncode == 0, (tmp_path / "demo.log").read_text()[-3000:]
-    assert scraped.get("pace_steps_total", 0.0) >= 40, scraped  # scraped over HTTP during training
-    assert scraped["pace_straggler_rank"] == 1.0 and scraped['pace_lead_ms{rank="1"}'] == 0.0, scraped
-    assert 10.0 < scraped['pace_lead_ms{rank="0"}'] < 40.0, scraped
