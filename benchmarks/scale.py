@@ -25,8 +25,10 @@ late, 1 ms jitter), valid, past warm-up, with samples for rebalancing. Timings a
 
     python benchmarks/scale.py [--ranks 64,1024,8192] [--steps 32] [--repeat 5]
 
-Issue 32's target path (a node-local exchange, leaders deciding, a sharded columnar record) does
-not exist yet: this prints today's path only, the baseline it will be compared with.
+With ``exchange_topology: node_leaders`` (8 ranks per node here) a rank that is not a node leader
+receives its node's 7 other rows and the leader's decision, and only parses that decision: both
+printed apart, with the leaders' ring latency (N - 1 hops for N nodes). The leaders do what every
+rank does in the flat path (the decision column), plus their all-gather.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch
 
 from pace_strategy.core.clock import ManualClock
 from pace_strategy.core.config import PacingConfig, RebalanceConfig
-from pace_strategy.core.pacer import Pacer
+from pace_strategy.core.pacer import Pacer, result_of, verdict_of
 from pace_strategy.core.records import NUM_FIELDS, Field
 from pace_strategy.core.shares import ShareSchedule
 from pace_strategy.core.summary import StepSummarizer
@@ -52,6 +54,7 @@ from pace_strategy.telemetry.run_record import RunRecordWriter
 from pace_strategy.telemetry.schema import step_metrics
 
 HOP_US = (5.0, 30.0)  #: ring all-gather latency per hop, microseconds: a fast fabric, gloo over TCP
+PER_NODE = 8  #: ranks per node, for the node-leader figures
 
 
 def window(world: int, steps: int, first: int, seed: int) -> torch.Tensor:
@@ -97,6 +100,8 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
     )
     tags = 0
     decide_ms, pacing_ms, publish_ms, jsonl_ms, arrow_ms, arrow_publish_ms = [], [], [], [], [], []
+    follow_ms: list[float] = []
+    verdict_bytes: list[int] = []
     for i in range(repeat + 1):
         g = window(world, steps, i * steps, seed=i)
         started = time.perf_counter()
@@ -105,8 +110,14 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         if i:
             pacing_ms.append((paced - started) * 1e3)
         started = time.perf_counter()
-        pacer._decide(g)
+        result = pacer._decide(g)
         decided = time.perf_counter()
+        # exchange_topology node_leaders: what a rank that is not a leader does with the decision
+        verdict = json.dumps(verdict_of(result), separators=(",", ":")).encode()
+        followed = time.perf_counter()
+        result_of(json.loads(verdict), world)
+        follow_ms.append((time.perf_counter() - followed) * 1e3)
+        verdict_bytes.append(len(verdict))
         summaries = summarizer.summarize(g)
         for s in summaries:
             tags += len(step_metrics(s, config.per_rank_tag_limit, batch_shares=True))
@@ -140,6 +151,11 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         "decision_ms_pacing": statistics.median(pacing_ms),
         "decision_ms": statistics.median(decide_ms),
         "rank0_telemetry_ms": statistics.median(publish_ms),
+        # node_leaders, 8 ranks per node: a non-leader receives its 7 peers' rows and the verdict
+        "node_leaders_bytes_received_per_window": (PER_NODE - 1) * steps * NUM_FIELDS * 8
+        + statistics.median(verdict_bytes),
+        "node_leaders_follow_ms": statistics.median(follow_ms),
+        "leaders_ring_latency_ms_tcp": (world // PER_NODE - 1) * HOP_US[1] / 1e3,
         "rank0_telemetry_ms_arrow": statistics.median(arrow_publish_ms),
         "record_bytes_per_rank_step": size / rank_steps,
         "arrow_record_bytes_per_rank_step": arrow_size / rank_steps,
@@ -177,6 +193,15 @@ def main() -> int:
                 f"{r['tags_per_window']:>12,.0f}",
                 flush=True,
             )
+    print(
+        f"\nexchange_topology node_leaders, {PER_NODE} ranks per node: what a rank that is not a leader does"
+    )
+    print(f"{'ranks':>6} {'received/window':>16} {'decision work':>14} {'leaders ring (30 us a hop)':>27}")
+    for r in rows:
+        print(
+            f"{r['ranks']:>6,} {r['node_leaders_bytes_received_per_window'] / 1e6:>13.3f} MB "
+            f"{r['node_leaders_follow_ms']:>11.2f} ms {r['leaders_ring_latency_ms_tcp']:>24.1f} ms"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -42,6 +42,7 @@ from pace_strategy.core.evidence import (
     write_evidence,
 )
 from pace_strategy.core.gc_monitor import GcMonitor
+from pace_strategy.core.hierarchy import HierarchicalExchange, NodeLayout, check_layout
 from pace_strategy.core.memory import device_memory_probe
 from pace_strategy.core.netif import GLOO_IFNAME_VARIABLE, gloo_interface
 from pace_strategy.core.pacer import Pacer, WindowResult
@@ -104,6 +105,38 @@ def side_group(config: PacingConfig) -> dist.ProcessGroup | None:
             f"{GLOO_IFNAME_VARIABLE} to the network interface the ranks reach each other through (the "
             "one NCCL_SOCKET_IFNAME or MASTER_ADDR uses), on every rank.",
         ) from error
+
+
+def node_leader_exchange(
+    config: PacingConfig, topology: Sequence[Mapping[str, Any]], rank: int, world_size: int
+) -> HierarchicalExchange | None:
+    """``exchange_topology: node_leaders``: this rank's node group and, on a node leader, the leaders'
+    group (gloo, lazily connected, each built by its members only), or ``None`` where the placements
+    give one node, or one rank per node (then the exchange runs flat). Collective over each group."""
+    layout = NodeLayout.from_topology(topology)
+    check_layout(layout, world_size)
+    if len(layout.nodes) in (1, world_size):
+        if rank == 0:
+            log.info(
+                "pace_strategy: exchange_topology node_leaders, %d node(s) of %d ranks: the exchange is flat",
+                len(layout.nodes),
+                world_size,
+            )
+        return None
+    timeout = timedelta(seconds=config.exchange_timeout_s)
+    members = layout.nodes[layout.node_of(rank)]
+    with _lazy_gloo_connections():
+        # each group is built by its members only: no rank takes part in the other nodes' groups
+        node_group = dist.new_group(
+            list(members), backend="gloo", timeout=timeout, use_local_synchronization=True
+        )
+        leader_group = None
+        if rank == members[0]:
+            leader_group = dist.new_group(
+                list(layout.leaders), backend="gloo", timeout=timeout, use_local_synchronization=True
+            )
+    assert node_group is not None
+    return HierarchicalExchange(layout, rank, node_group, leader_group, config.exchange_timeout_s)
 
 
 @contextlib.contextmanager
@@ -190,7 +223,10 @@ class PacingSession:
             if isinstance(clock, CudaEventClock) and config.mode != "monitor":
                 clock.calibrate()  # now, on the session's device: not inside the first paced step
         memory = device_memory_probe(device) if config.rebalance.enabled else None
-        self.pacer = Pacer(config, group, rank, world_size, clock, memory_probe=memory)
+        hierarchy = None
+        if config.exchange_topology == "node_leaders" and group is not None:
+            hierarchy = node_leader_exchange(config, topology, rank, world_size)
+        self.pacer = Pacer(config, group, rank, world_size, clock, memory_probe=memory, hierarchy=hierarchy)
         self.metrics_sink = metrics_sink if rank == 0 else None
         self._dashboard = dashboard if rank == 0 else None
         #: rank 0, ``config.metrics_port``: the live Prometheus endpoint (started here: a port that
@@ -747,6 +783,11 @@ class PacingSession:
                 extra["unresolved_steps_dropped"] = unresolved
             if self.tag_windows_dropped:  # the tag writer fell behind: its windows' tags, not their rows
                 extra["tag_windows_dropped"] = self.tag_windows_dropped
+            if self.pacer.hierarchy is not None:  # how the windows were exchanged, where not flat
+                extra["exchange"] = {
+                    "topology": "node_leaders",
+                    "nodes": [list(n) for n in self.pacer.hierarchy.layout.nodes],
+                }
             self.record.close(status, message, extra=extra, create=self.pacer.steps_seen > 0)
 
 

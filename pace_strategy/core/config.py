@@ -34,6 +34,8 @@ PacingMode = Literal["adaptive", "monitor", "forced"]
 _MODES: tuple[str, ...] = get_args(PacingMode)
 DDPMonitor = Literal["grad_ready", "comm_hook"]
 _DDP_MONITORS: tuple[str, ...] = get_args(DDPMonitor)
+ExchangeTopology = Literal["flat", "node_leaders"]
+_EXCHANGE_TOPOLOGIES: tuple[str, ...] = get_args(ExchangeTopology)
 RecordFormat = Literal["jsonl", "arrow"]
 _RECORD_FORMATS: tuple[str, ...] = get_args(RecordFormat)
 HangAction = Literal["abort", "log"]
@@ -488,6 +490,19 @@ class PacingConfig:
             "Rank 0 writes the full per-rank, per-step run record (JSON lines) to the log directory."
         ),
     )
+    exchange_topology: ExchangeTopology = field(
+        default="flat",
+        metadata=doc(
+            """How each window is exchanged. ``"flat"``: one all-gather over every rank; every rank
+            receives every rank's rows and decides. ``"node_leaders"``: the ranks of a node
+            all-gather over a node group, the node leaders (each node's lowest rank) all-gather their
+            nodes' rows and decide, and each leader broadcasts the decision to its node: the same
+            decisions, a ring of N - 1 hops for N nodes instead of W - 1, and a rank that is not a
+            leader receives only its node's rows. Nodes are the placements' ``node_rank`` (else
+            host); a job on one node, or one rank per node, runs flat. The leaders' gather and
+            decision are not overlapped with training (docs/benchmarks.md)."""
+        ),
+    )
     record_format: RecordFormat = field(
         default="jsonl",
         metadata=doc(
@@ -548,6 +563,12 @@ class PacingConfig:
         _number(self, "straggler_warn_interval_s", low=0.0)
         if not isinstance(self.run_record, bool):
             _fail("run_record", self.run_record, "true or false")
+        if self.exchange_topology not in _EXCHANGE_TOPOLOGIES:
+            _fail(
+                "exchange_topology",
+                self.exchange_topology,
+                f"one of {', '.join(map(repr, _EXCHANGE_TOPOLOGIES))}",
+            )
         if self.record_format not in _RECORD_FORMATS:
             _fail("record_format", self.record_format, f"one of {', '.join(map(repr, _RECORD_FORMATS))}")
         for name, group in GROUPS.items():  # a bare switch or a mapping: the group object

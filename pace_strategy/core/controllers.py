@@ -168,6 +168,16 @@ class RebalanceControl:
         current = self.schedule.current
         self.policy.follow(current.from_step, current.samples)  # a split added by someone else
         decision = self.policy.update(window.gathered, index, start)
+        self._schedule(decision)
+        return decision
+
+    def follow(self, decision: RebalanceDecision) -> None:
+        """A decision taken by the node leader: its new split into this rank's schedule."""
+        if self.schedule is not None:
+            self._schedule(decision)
+
+    def _schedule(self, decision: RebalanceDecision) -> None:
+        assert self.schedule is not None
         if decision.from_step is not None:
             try:
                 self.schedule.add(decision.from_step, decision.shares, decision.reason)
@@ -182,7 +192,6 @@ class RebalanceControl:
                     "Declare the DataLoader's real prefetch (num_workers x prefetch_factor, plus the "
                     f"framework's own). ({error})",
                 ) from error
-        return decision
 
     def holds_pacing(self, decision: RebalanceDecision | None, last_step: int) -> str | None:
         """Why pacing is held after this window (a rebalancing trial, or a split that the window's
@@ -258,6 +267,15 @@ class Controllers:
         self.rebalance = RebalanceControl(config, rank, world_size)
         #: ``gc_sync.enabled``: collects at agreed steps (``None``: the collector is left alone)
         self.gc_sync: GcSync | None = GcSync(config) if config.gc_sync.enabled else None
+
+    def follow(self, decision: Decision, rebalance: RebalanceDecision | None) -> None:
+        """A window's arbitrated decisions taken elsewhere (by this rank's node leader): a collection
+        at the next step, a new split into the schedule. The controllers' own state stays where the
+        decisions were taken."""
+        if decision.gc_collect is not None and self.gc_sync is not None:
+            self.gc_sync.follow()
+        if rebalance is not None:
+            self.rebalance.follow(rebalance)
 
     def decide(self, window: WindowInput, index: int) -> Verdict:
         """Every component's decision from window ``index``, arbitrated (identical on every rank)."""

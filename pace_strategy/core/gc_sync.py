@@ -150,6 +150,11 @@ class GcSync:
             self._collect_next = True
         return decision
 
+    def follow(self) -> None:
+        """A window's collection decided by this rank's node leader: it runs at the next step's start."""
+        if self._saved is not None:
+            self._collect_next = True
+
     # ------------------------------------------------------------------ collector
     def _take_over(self, step: int) -> None:
         if not gc.isenabled():

@@ -18,9 +18,10 @@ session's telemetry thread on rank 0, tests, benchmarks) feeds each ``WindowResu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,14 +33,15 @@ from pace_strategy.core.comm import PendingGather, WindowExchange
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.controllers import Controllers, WindowInput
 from pace_strategy.core.errors import PaceDistributedError
-from pace_strategy.core.records import NUM_FIELDS, Decision, Field
+from pace_strategy.core.rebalance import RebalanceDecision, RebalanceState
+from pace_strategy.core.records import NUM_FIELDS, Decision, Field, GcCollect, PolicyState
 from pace_strategy.core.shares import ShareSchedule
 from pace_strategy.core.skew import WindowStats, window_stats
 from pace_strategy.core.state import STATE_VERSION, check_state
 
 if TYPE_CHECKING:
     from pace_strategy.core.gc_sync import GcSync
-    from pace_strategy.core.rebalance import RebalanceDecision
+    from pace_strategy.core.hierarchy import HierarchicalExchange
 
 __all__ = ["Pacer", "WindowResult"]
 
@@ -103,6 +105,98 @@ class WindowResult:
     rebalance: RebalanceDecision | None = None
 
 
+#: what a node leader sends its node of a window: scalars and text (JSON), and the per-rank vectors
+#: (one float64 row each: no per-number parsing at thousands of ranks)
+Verdict = tuple[dict[str, Any], Mapping[str, "Sequence[float] | torch.Tensor"]]
+
+
+def verdict_of(r: WindowResult) -> tuple[dict[str, Any], dict[str, Sequence[float]]]:
+    """What a node leader sends its node of one window's result (:func:`result_of` reads it back)."""
+    d, collect, rebalance = r.decision, r.decision.gc_collect, r.rebalance
+    vectors: dict[str, Sequence[float]] = {
+        "delays_ms": d.delays_ms,
+        "straggler_counts": r.stats.straggler_counts,
+    }
+    meta: dict[str, Any] = {
+        "window": r.window,
+        "decision": {
+            "window": d.window,
+            "state": d.state.value,
+            "reason": d.reason,
+            "baseline_step_ms": d.baseline_step_ms,
+            "paced_step_ms": d.paced_step_ms,
+            "gc_collect": None if collect is None else collect.after_step,
+        },
+        "stats": {
+            "steps": r.stats.steps,
+            "median_step_ms": r.stats.median_step_ms,
+            "median_unpaced_skew_ms": r.stats.median_unpaced_skew_ms,
+        },
+        "rebalance": None,
+    }
+    if collect is not None:
+        vectors["gc_due"] = collect.due
+    if rebalance is not None:
+        fields = dataclasses.asdict(rebalance)
+        meta["rebalance"] = {k: v for k, v in fields.items() if k not in ("shares", "per_sample_ms")}
+        meta["rebalance"]["state"] = rebalance.state.value
+        vectors["shares"] = rebalance.shares
+        if rebalance.per_sample_ms:  # empty before the first measured window
+            vectors["per_sample_ms"] = rebalance.per_sample_ms
+    return meta, vectors
+
+
+def result_of(verdict: Verdict, world_size: int) -> WindowResult:
+    """The :class:`WindowResult` a non-leader keeps of a verdict: the decisions and the window's
+    statistics, not its rows (``gathered`` is empty: only rank 0, a leader, writes telemetry)."""
+    meta, vectors = verdict
+
+    def values(name: str) -> list[float]:
+        found = vectors.get(name, ())
+        return found.tolist() if isinstance(found, torch.Tensor) else list(found)
+
+    def floats(name: str) -> tuple[float, ...]:
+        return tuple(values(name))
+
+    def ints(name: str) -> tuple[int, ...]:
+        return tuple(int(v) for v in values(name))
+
+    d = meta["decision"]
+    decision = Decision(
+        window=d["window"],
+        state=PolicyState(d["state"]),
+        delays_ms=floats("delays_ms"),
+        reason=d["reason"],
+        baseline_step_ms=d["baseline_step_ms"],
+        paced_step_ms=d["paced_step_ms"],
+        gc_collect=None if d["gc_collect"] is None else GcCollect(d["gc_collect"], floats("gc_due")),
+    )
+    s = meta["stats"]
+    stats = WindowStats(
+        window=meta["window"],
+        world_size=world_size,
+        steps=s["steps"],
+        median_step_ms=s["median_step_ms"],
+        median_unpaced_skew_ms=s["median_unpaced_skew_ms"],
+        pacable_lead_ms=torch.zeros(world_size, 0, dtype=torch.float64),
+        straggler_counts=ints("straggler_counts"),
+    )
+    rebalance = None
+    if (r := meta["rebalance"]) is not None:
+        rebalance = RebalanceDecision(
+            **{**r, "state": RebalanceState(r["state"])},
+            shares=ints("shares"),
+            per_sample_ms=floats("per_sample_ms"),
+        )
+    return WindowResult(
+        window=meta["window"],
+        gathered=torch.empty(0, 0, NUM_FIELDS, dtype=torch.float64),
+        stats=stats,
+        decision=decision,
+        rebalance=rebalance,
+    )
+
+
 class Pacer:
     """Skew monitor and adaptive pacer for one rank of a data-parallel job.
 
@@ -115,6 +209,9 @@ class Pacer:
         clock: how durations are measured (:func:`~pace_strategy.core.clock.clock_for_device`).
         memory_probe: the device's peak allocated memory as a fraction of its total
             (:func:`~pace_strategy.core.memory.device_memory_probe`; ``None``: not measured, CPU).
+        hierarchy: the node-leader exchange (``exchange_topology: node_leaders``): windows go
+            through it instead of ``group``, and only node leaders decide
+            (:mod:`pace_strategy.core.hierarchy`); ``group`` still serves the session's gathers.
     """
 
     def __init__(
@@ -125,6 +222,7 @@ class Pacer:
         world_size: int,
         clock: Clock | None = None,
         memory_probe: Callable[[], float] | None = None,
+        hierarchy: HierarchicalExchange | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
@@ -136,6 +234,7 @@ class Pacer:
         self._host_time = bool(getattr(self.clock, "host_time", True))
         self._memory_probe = memory_probe
         self.exchange = WindowExchange(group, rank, world_size, config.exchange_timeout_s)
+        self.hierarchy = hierarchy
         #: pacing, rebalancing and GC sync: what each window decides (:mod:`pace_strategy.core.controllers`)
         self.controllers = Controllers(config, rank, world_size, self.clock)
         self._open: _OpenStep | None = None
@@ -154,6 +253,7 @@ class Pacer:
         self._window = 0
         self._delay_ms = 0.0
         self._last_label = -1
+        self._decision: Decision | None = None  #: the last decision applied (None: none yet)
         self.window_work_ns = 0  #: host time end_step spent resolving, exchanging and deciding windows
         self.exchange_wait_ns = 0  #: part of window_work_ns spent blocked waiting for the all-gather
         self.flush_ns = 0  #: host time spent in flush() (end of training; includes waiting for peers)
@@ -176,7 +276,8 @@ class Pacer:
 
     @property
     def decision(self) -> Decision:
-        return self.controllers.pacing.decision
+        """The last window's decision this rank applies (taken here, or by its node leader)."""
+        return self._decision if self._decision is not None else self.controllers.pacing.decision
 
     @property
     def gc_sync(self) -> GcSync | None:
@@ -425,10 +526,8 @@ class Pacer:
         result = None
         if self._pending is not None:
             # Launched one step ago: by now it has almost always completed, so this wait is free.
-            gathered = self.exchange.wait(self._pending)
-            self.exchange_wait_ns += time.perf_counter_ns() - started
-            self._pending = None
-            result = self._decide(gathered)
+            pending, self._pending = self._pending, None
+            result = self._complete(pending, timed=True)
         if due:
             self._pending = self._launch(k)
         elapsed_ns = time.perf_counter_ns() - started
@@ -445,11 +544,10 @@ class Pacer:
         started = time.perf_counter_ns()
         results = []
         if self._pending is not None:
-            results.append(self._decide(self.exchange.wait(self._pending)))
-            self._pending = None
+            pending, self._pending = self._pending, None
+            results.append(self._complete(pending))
         if self._unresolved:
-            pending = self._launch(len(self._unresolved))
-            results.append(self._decide(self.exchange.wait(pending)))
+            results.append(self._complete(self._launch(len(self._unresolved))))
         self.flush_ns += time.perf_counter_ns() - started
         return results
 
@@ -469,7 +567,8 @@ class Pacer:
         local: list[torch.Tensor] = []
         pending, self._pending = self._pending, None
         if pending is not None:
-            done = pending.work is None or bool(pending.work.is_completed())
+            # node leaders: a completed node gather is not the window (the leaders' gather is not done)
+            done = self.hierarchy is None and (pending.work is None or bool(pending.work.is_completed()))
             try:
                 if done:  # a completed gather's wait returns at once (or raises: it failed)
                     results.append(self._decide(self.exchange.wait(pending)))
@@ -532,6 +631,7 @@ class Pacer:
         self.controllers.pacing.load_state_dict(s["policy"])
         self._window = s["window"]
         self._delay_ms = self.controllers.pacing.decision.delays_ms[self.rank]
+        self._decision = None
         if rebalance is not None:
             self.controllers.rebalance.load_state_dict(rebalance)
 
@@ -539,7 +639,46 @@ class Pacer:
         steps, self._unresolved = self._unresolved[:count], self._unresolved[count:]
         rows = torch.tensor([self._resolve(s) for s in steps], dtype=torch.float64)
         self._pending_rows = rows
-        return self.exchange.start(rows, steps[0].step, steps[-1].step)
+        return (self.hierarchy or self.exchange).start(rows, steps[0].step, steps[-1].step)
+
+    def _complete(self, pending: PendingGather, timed: bool = False) -> WindowResult:
+        """Wait for the window launched as ``pending`` and decide it (flat exchange, or a node
+        leader), or take the decision a node leader sent (any other rank). ``timed``: the wait counts
+        in ``exchange_wait_ns``."""
+        started = time.perf_counter_ns()
+        if self.hierarchy is None:
+            gathered: torch.Tensor | None = self.exchange.wait(pending)
+        else:
+            gathered = self.hierarchy.wait_window(pending)
+            if gathered is None:
+                verdict = self.hierarchy.receive_verdict()
+                if timed:
+                    self.exchange_wait_ns += time.perf_counter_ns() - started
+                return self._follow(verdict)
+        if timed:
+            self.exchange_wait_ns += time.perf_counter_ns() - started
+        assert gathered is not None
+        result = self._decide(gathered)
+        if self.hierarchy is not None:
+            self.hierarchy.send_verdict(*verdict_of(result))
+        return result
+
+    def _follow(self, verdict: Verdict) -> WindowResult:
+        """Apply a window's decision taken by this rank's node leader (the same as :meth:`_decide`
+        would have taken: the leaders decide on the whole window with the same code)."""
+        result = result_of(verdict, self.world_size)
+        if result.window != self._window:
+            raise PaceDistributedError(
+                self.rank,
+                self.world_size,
+                f"the node leader sent the decision of window {result.window}, this rank expected window "
+                f"{self._window}: every rank must call begin_step/end_step once per synchronized step.",
+            )
+        self._delay_ms = result.decision.delays_ms[self.rank]
+        self._decision = result.decision
+        self.controllers.follow(result.decision, result.rebalance)
+        self._window += 1
+        return result
 
     def _resolve(self, s: _OpenStep) -> list[float]:
         el = self.clock.elapsed_ms
@@ -600,6 +739,7 @@ class Pacer:
         last = int(labels[0, -1]) if labels.shape[1] else self._last_label
         verdict = self.controllers.decide(WindowInput(gathered, stats, last, self._last_label), self._window)
         self._delay_ms = verdict.decision.delays_ms[self.rank]
+        self._decision = verdict.decision
         self._window += 1
         return WindowResult(
             window=stats.window,

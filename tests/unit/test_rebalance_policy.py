@@ -275,6 +275,7 @@ def rank_loop(
     run_dir=None,
     tags=None,
     pacing=None,
+    hierarchy=None,
 ):
     """One rank's schedule entries, decisions and per-step times after ``steps`` steps (its pipeline
     builds ``built_extra`` batches beyond the ``lookahead`` it declares). With ``run_dir``, through a
@@ -284,7 +285,7 @@ def rank_loop(
     clock = ManualClock()
     session = None
     if run_dir is None:
-        pacer = Pacer(cfg, group, rank, world, clock)
+        pacer = Pacer(cfg, group, rank, world, clock, hierarchy=hierarchy)
     else:
         session = PacingSession(
             cfg,

@@ -1,0 +1,168 @@
+"""The node-leader window exchange (``exchange_topology: node_leaders``).
+
+The flat exchange all-gathers every rank's rows of a window to every rank: each rank receives
+``(W - 1) x K x 17`` float64 and decides on all of them, and the ring takes W - 1 hops. Here:
+
+1. **within each node**, the ranks all-gather their rows over a node-local gloo group (launched at
+   the window's end and collected one step later, as the flat exchange is);
+2. **the node leaders** (the lowest rank of each node) all-gather their nodes' blocks over a leader
+   group: every leader then holds the whole window, the same on every leader, and takes the window's
+   decision with the same code as the flat exchange (so the decisions are identical to it);
+3. **each leader broadcasts the decision** (a few hundred bytes plus a number per rank) to its node.
+
+A rank that is not a leader receives its node's rows and one decision per window, and decides
+nothing. Per-rank detail crosses nodes only between leaders. The ring of leaders takes N - 1 hops
+for N nodes. What it costs: the leaders' all-gather and decision are not overlapped with training,
+every rank of a node waits for its leader's decision (benchmarks in docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pace_strategy.core.comm import PendingGather, WindowExchange
+from pace_strategy.core.errors import PaceDistributedError
+
+__all__ = ["HierarchicalExchange", "NodeLayout"]
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """Which global ranks share a node: ``nodes[i]`` are node ``i``'s ranks, ascending; nodes are
+    ordered by their lowest rank, whose rank is the node's leader."""
+
+    nodes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_topology(cls, topology: Sequence[Mapping[str, Any]]) -> NodeLayout:
+        """From the gathered placements (``node_rank``, else ``host``)."""
+        by_node: dict[Any, list[int]] = {}
+        for placement in topology:
+            key = placement.get("node_rank")
+            key = ("host", placement.get("host")) if key is None else ("node", key)
+            by_node.setdefault(key, []).append(int(placement["rank"]))
+        return cls(tuple(sorted((tuple(sorted(ranks)) for ranks in by_node.values()), key=lambda n: n[0])))
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(n) for n in self.nodes)
+
+    @property
+    def leaders(self) -> tuple[int, ...]:
+        return tuple(n[0] for n in self.nodes)
+
+    def node_of(self, rank: int) -> int:
+        for i, ranks in enumerate(self.nodes):
+            if rank in ranks:
+                return i
+        raise ValueError(f"rank {rank} is on no node of {self.nodes}")
+
+
+class HierarchicalExchange:
+    """This rank's side of the node-leader exchange (module doc).
+
+    Args:
+        layout: the job's nodes.
+        rank: this rank's global rank.
+        node_group: a gloo group of this node's ranks (in ``layout`` order: group rank = index).
+        leader_group: on a leader, a gloo group of the leaders (group rank = node index); else ``None``.
+        timeout_s: every wait's limit (``exchange_timeout_s``).
+    """
+
+    def __init__(
+        self,
+        layout: NodeLayout,
+        rank: int,
+        node_group: dist.ProcessGroup,
+        leader_group: dist.ProcessGroup | None,
+        timeout_s: float,
+    ) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.node = layout.node_of(rank)
+        members = layout.nodes[self.node]
+        self.is_leader = members[0] == rank
+        if self.is_leader != (leader_group is not None):
+            raise ValueError(f"rank {rank}: a leader group is given to the node leaders, and only to them")
+        self._node = WindowExchange(node_group, members.index(rank), len(members), timeout_s)
+        self._leaders = (
+            WindowExchange(leader_group, self.node, len(layout.nodes), timeout_s) if leader_group else None
+        )
+        self._widest = max(len(n) for n in layout.nodes)
+        self.world_size = layout.world_size
+
+    def start(self, rows: torch.Tensor, first_step: int, last_step: int) -> PendingGather:
+        """Launch the node-local all-gather of this rank's rows ``[steps, fields]``."""
+        return self._node.start(rows, first_step, last_step)
+
+    def completed(self, pending: PendingGather) -> bool:
+        """Whether the node's gather has completed (never waits)."""
+        return pending.work is None or bool(pending.work.is_completed())
+
+    def wait_window(self, pending: PendingGather) -> torch.Tensor | None:
+        """A leader: the whole window ``[world_size, steps, fields]`` in global rank order (after the
+        leaders' all-gather). Any other rank: ``None``, once its node's gather has completed."""
+        block = self._node.wait(pending)  # [node size, steps, fields]
+        if self._leaders is None:
+            return None
+        steps, fields = block.shape[1], block.shape[2]
+        padded = torch.full((self._widest, steps, fields), float("nan"), dtype=block.dtype)
+        padded[: block.shape[0]] = block
+        blocks = self._leaders.gather(padded.reshape(self._widest * steps, fields), pending.first_step,
+                                      pending.last_step)  # fmt: skip
+        blocks = blocks.reshape(len(self.layout.nodes), self._widest, steps, fields)
+        window = torch.empty(self.world_size, steps, fields, dtype=block.dtype)
+        for node, ranks in enumerate(self.layout.nodes):
+            window[list(ranks)] = blocks[node, : len(ranks)]
+        return window
+
+    def send_verdict(self, meta: Mapping[str, Any], vectors: Mapping[str, Sequence[float]]) -> None:
+        """A leader: its node's ranks receive ``meta`` (JSON-able) and ``vectors`` (one number per
+        rank each, sent as float64 rows: exact, and read without parsing) from :meth:`receive_verdict`."""
+        payload = torch.tensor(
+            list(json.dumps({**meta, "$vectors": list(vectors)}).encode()), dtype=torch.uint8
+        )
+        rows = torch.tensor([list(v) for v in vectors.values()], dtype=torch.float64).reshape(
+            len(vectors), self.world_size
+        )
+        self._broadcast(torch.tensor([payload.numel(), len(vectors)], dtype=torch.int64))
+        self._broadcast(payload)
+        if len(vectors):
+            self._broadcast(rows)
+
+    def receive_verdict(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Not a leader: what its leader sent for the window (:meth:`send_verdict`)."""
+        sizes = torch.zeros(2, dtype=torch.int64)
+        self._broadcast(sizes)
+        payload = torch.zeros(int(sizes[0]), dtype=torch.uint8)
+        self._broadcast(payload)
+        meta: dict[str, Any] = json.loads(bytes(payload.tolist()).decode())
+        rows = torch.zeros(int(sizes[1]), self.world_size, dtype=torch.float64)
+        if len(rows):
+            self._broadcast(rows)
+        return meta, dict(zip(meta.pop("$vectors"), rows, strict=True))
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        exchange = self._node
+        assert exchange.group is not None
+        options = dist.BroadcastOptions()
+        options.rootRank = 0  # the leader is the node group's first rank
+        try:
+            exchange.group.broadcast([tensor], options).wait(exchange.timeout)
+        except RuntimeError as error:
+            raise exchange._error(error, -1, -1) from error
+
+
+def check_layout(layout: NodeLayout, world_size: int) -> None:
+    """Raise when the placements do not cover every rank once."""
+    ranks = sorted(r for n in layout.nodes for r in n)
+    if ranks != list(range(world_size)):
+        raise PaceDistributedError(
+            0, world_size, f"the placements give nodes {layout.nodes}, not {world_size} ranks"
+        )

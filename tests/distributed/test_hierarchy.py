@@ -1,0 +1,117 @@
+"""The node-leader exchange (``exchange_topology: node_leaders``) on thread ranks, each with real gloo
+groups (every rank, its node, the leaders): every rank takes the same decisions as the flat exchange
+gives, window after window (pacing forced, rebalancing on), while a rank that is not a node leader
+receives only its node's rows and the decision."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from pace_strategy.core.hierarchy import NodeLayout
+from tests.distributed.ranks import raise_first, run_node_ranks, run_ranks
+from tests.unit.test_rebalance_policy import CFG, K, Model, rank_loop, splits
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _model(world: int, slow: int) -> Model:
+    per_sample = tuple(1.0 if r == slow else 0.5 for r in range(world))
+    zeros = (0.0,) * world
+    return Model(per_sample_ms=per_sample, fixed_ms=(1.0,) * world, gap_ms=zeros, data_ms=zeros)
+
+
+def _outcome(result):
+    entries, rebalance, step_ms, _ = result
+    return splits(entries), rebalance, step_ms
+
+
+@pytest.mark.parametrize("nodes", [[4, 4], [4, 2], [2, 2, 2, 2]])
+def test_every_rank_decides_as_the_flat_exchange_does(nodes):
+    world = sum(nodes)
+    cfg = dataclasses.replace(CFG, mode="forced")  # pacing decides something every window
+    loop = functools.partial(rank_loop, model=_model(world, slow=world - 1), steps=8 * K, cfg=cfg,
+                             global_batch=32 * world)  # fmt: skip
+    flat_pacing: dict[int, list] = {r: [] for r in range(world)}
+    node_pacing: dict[int, list] = {r: [] for r in range(world)}
+    flat = raise_first(run_ranks(world, lambda r, g: loop(r, g, pacing=flat_pacing[r])))
+    seen: dict[int, int] = {}
+
+    def hierarchical(rank, group, hierarchy):
+        seen[rank] = hierarchy.is_leader
+        return loop(rank, group, pacing=node_pacing[rank], hierarchy=hierarchy)
+
+    tiered = raise_first(run_node_ranks(nodes, hierarchical))
+    assert sum(seen.values()) == len(nodes)  # one leader per node
+    for rank in range(world):
+        assert _outcome(tiered[rank]) == _outcome(flat[rank]), rank
+        assert node_pacing[rank] == flat_pacing[rank], rank
+    # the slow rank got fewer samples and pacing held then restarted: the decisions were not trivial
+    assert splits(flat[0][0])[-1][1][world - 1] < 32
+    assert any(d.delays_ms != (0.0,) * world for d in flat_pacing[0])
+
+
+def test_only_the_node_leaders_hold_the_whole_window():
+    nodes = [3, 3]
+    world = sum(nodes)
+    rows = {}
+
+    def exchange(rank, group, hierarchy):
+        window = torch.full((2, 17), float(rank), dtype=torch.float64)
+        pending = hierarchy.start(window, 0, 1)
+        gathered = hierarchy.wait_window(pending)
+        if hierarchy.is_leader:
+            hierarchy.send_verdict({"node": hierarchy.node}, {"ranks": gathered[:, 0, 0].tolist()})
+            rows[rank] = gathered
+            return None
+        meta, vectors = hierarchy.receive_verdict()
+        return meta, {name: v.tolist() for name, v in vectors.items()}
+
+    verdicts = raise_first(run_node_ranks(nodes, exchange))
+    assert sorted(rows) == [0, 3]  # the leaders
+    for window in rows.values():  # the whole window, in global rank order
+        assert window.shape == (world, 2, 17) and window[:, 0, 0].tolist() == list(map(float, range(world)))
+    ranks = {"ranks": list(map(float, range(world)))}
+    assert verdicts[1] == verdicts[2] == ({"node": 0}, ranks)
+    assert verdicts[4] == verdicts[5] == ({"node": 1}, ranks)
+
+
+def test_the_layout_comes_from_the_placements():
+    topology = [{"rank": r, "node_rank": n} for r, n in enumerate([1, 1, 0, 0, 2])]
+    assert NodeLayout.from_topology(topology).nodes == ((0, 1), (2, 3), (4,))
+    by_host = [{"rank": r, "host": h, "node_rank": None} for r, h in enumerate("abab")]
+    assert NodeLayout.from_topology(by_host).nodes == ((0, 2), (1, 3))
+    assert NodeLayout.from_topology(by_host).leaders == (0, 1)
+
+
+def test_a_verdict_carries_every_decision_exactly():
+    from pace_strategy.core.pacer import WindowResult, result_of, verdict_of
+    from pace_strategy.core.rebalance import RebalanceDecision, RebalanceState
+    from pace_strategy.core.records import Decision, GcCollect, PolicyState
+    from pace_strategy.core.skew import WindowStats
+
+    world = 3
+    result = WindowResult(
+        window=7,
+        gathered=torch.zeros(world, 2, 17, dtype=torch.float64),
+        stats=WindowStats(7, world, 2, 41.25, 3.1, torch.zeros(world, 2), (0, 2, 0)),
+        decision=Decision(
+            7, PolicyState.PACING, (0.1 + 0.2, 0.0, 1e-9), "pacing: rank 0 leads", 40.0, None,
+            GcCollect(255, (0.4, 1.25, 0.0)),
+        ),
+        rebalance=RebalanceDecision(
+            7, RebalanceState.TRIAL, (40, 16, 8), "a trial", 288, True, 41.0, None, (0.5, 1.0, 2.0)
+        ),
+    )  # fmt: skip
+    meta, vectors = verdict_of(result)
+    import json
+
+    meta = json.loads(json.dumps(meta))  # as it travels: JSON, and the vectors as float64 rows
+    rows = {name: torch.tensor(list(v), dtype=torch.float64) for name, v in vectors.items()}
+    back = result_of((meta, rows), world)
+    assert back.decision == result.decision and back.rebalance == result.rebalance
+    assert back.stats.straggler_counts == (0, 2, 0) and back.stats.median_step_ms == 41.25
+    assert back.gathered.numel() == 0  # the rows stay with the leaders
