@@ -1,4 +1,4 @@
-"""What today's flat data path costs as the world grows (not a test; prints what it measured).
+"""What the window data path costs as the world grows (not a test; prints what it measured).
 
 Per window of K steps, at each world size W, with the project's own code on synthetic windows (one
 process; the collective's cost from the ring model, not measured):
@@ -113,11 +113,14 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         result = pacer._decide(g)
         decided = time.perf_counter()
         # exchange_topology node_leaders: what a rank that is not a leader does with the decision
-        verdict = json.dumps(verdict_of(result), separators=(",", ":")).encode()
+        meta, vectors = verdict_of(result)
+        text = json.dumps({**meta, "$vectors": list(vectors)}).encode()  # as HierarchicalExchange sends it
+        rows = torch.tensor([list(v) for v in vectors.values()], dtype=torch.float64)
         followed = time.perf_counter()
-        result_of(json.loads(verdict), world)
+        received = json.loads(text)
+        result_of((received, dict(zip(received.pop("$vectors"), rows, strict=True))), world)
         follow_ms.append((time.perf_counter() - followed) * 1e3)
-        verdict_bytes.append(len(verdict))
+        verdict_bytes.append(len(text) + rows.numel() * 8)
         summaries = summarizer.summarize(g)
         for s in summaries:
             tags += len(step_metrics(s, config.per_rank_tag_limit, batch_shares=True))
@@ -193,9 +196,7 @@ def main() -> int:
                 f"{r['tags_per_window']:>12,.0f}",
                 flush=True,
             )
-    print(
-        f"\nexchange_topology node_leaders, {PER_NODE} ranks per node: what a rank that is not a leader does"
-    )
+    print(f"\nexchange_topology node_leaders, {PER_NODE} ranks per node: a rank that is not a leader")
     print(f"{'ranks':>6} {'received/window':>16} {'decision work':>14} {'leaders ring (30 us a hop)':>27}")
     for r in rows:
         print(
