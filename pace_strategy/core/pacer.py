@@ -151,15 +151,15 @@ def result_of(verdict: Verdict, world_size: int) -> WindowResult:
     statistics, not its rows (``gathered`` is empty: only rank 0, a leader, writes telemetry)."""
     meta, vectors = verdict
 
-    def values(name: str) -> list[float]:
-        found = vectors.get(name, ())
-        return found.tolist() if isinstance(found, torch.Tensor) else list(found)
-
     def floats(name: str) -> tuple[float, ...]:
-        return tuple(values(name))
+        found = vectors.get(name, ())
+        return tuple(found.tolist() if isinstance(found, torch.Tensor) else found)
 
     def ints(name: str) -> tuple[int, ...]:
-        return tuple(int(v) for v in values(name))
+        found = vectors.get(name, ())
+        if isinstance(found, torch.Tensor):  # counts and samples: exact in float64, converted in C
+            return tuple(found.to(torch.int64).tolist())
+        return tuple(int(v) for v in found)
 
     d = meta["decision"]
     decision = Decision(
