@@ -49,6 +49,7 @@ from pace_strategy.core.pacer import Pacer, WindowResult
 from pace_strategy.core.state import STATE_VERSION, PacingStateError, StatefulComponent, check_state
 from pace_strategy.core.summary import StepSummarizer
 from pace_strategy.core.watchdog import HANG_EXIT_CODE, HangReport, HangWatchdog, job_store
+from pace_strategy.telemetry.columnar import RankColumnsWriter, rank_columns_filename
 from pace_strategy.telemetry.record_lines import HangLine, ResumeLine
 from pace_strategy.telemetry.run_record import RunRecordWriter, record_filename
 from pace_strategy.telemetry.schema import dashboard_layout, step_metrics
@@ -190,6 +191,8 @@ class PacingSession:
             tags (an adapter passes its writer's ``add_custom_scalars``).
         clock: how durations are measured (default: ``clock_for_device(device)``).
         owns_group: release ``group`` at :meth:`finish`.
+        hierarchy: the node-leader exchange to use (default: built from the placements when
+            ``exchange_topology`` is ``node_leaders``; given by tests on thread ranks).
     """
 
     def __init__(
@@ -207,6 +210,7 @@ class PacingSession:
         dashboard: DashboardSink | None = None,
         clock: Clock | None = None,
         owns_group: bool = False,
+        hierarchy: HierarchicalExchange | None = None,
     ) -> None:
         if len(topology) != world_size:
             raise ValueError(
@@ -223,8 +227,7 @@ class PacingSession:
             if isinstance(clock, CudaEventClock) and config.mode != "monitor":
                 clock.calibrate()  # now, on the session's device: not inside the first paced step
         memory = device_memory_probe(device) if config.rebalance.enabled else None
-        hierarchy = None
-        if config.exchange_topology == "node_leaders" and group is not None:
+        if hierarchy is None and config.exchange_topology == "node_leaders" and group is not None:
             hierarchy = node_leader_exchange(config, topology, rank, world_size)
         self.pacer = Pacer(config, group, rank, world_size, clock, memory_probe=memory, hierarchy=hierarchy)
         self.metrics_sink = metrics_sink if rank == 0 else None
@@ -242,12 +245,23 @@ class PacingSession:
         #: torchrun's restarts of this job so far: the record says so, and a restarted attempt's
         #: record gets its own file beside the earlier ones (``record_filename``)
         self.restart_count = elastic_restart_count()
+        #: node leaders write their nodes' per-rank columns (``record_format: arrow`` with
+        #: ``exchange_topology: node_leaders``): rank 0's record holds the global stream only
+        sharded = config.run_record and config.record_format == "arrow" and hierarchy is not None
+        #: a node leader's shard of the record (its node's ranks), when sharded
+        self.shard: RankColumnsWriter | None = None
         if rank == 0 and config.run_record and log_dir is not None:
             self.record_path = Path(log_dir) / record_filename(self.restart_count)
             columns = None
-            if config.record_format == "arrow":  # fails here, at start, without pyarrow
-                from pace_strategy.telemetry.columnar import RankColumnsWriter, rank_columns_filename
-
+            shards = None
+            if sharded:
+                assert hierarchy is not None
+                name = self.record_path.name
+                shards = [
+                    {"file": rank_columns_filename(name, node), "ranks": list(ranks)}
+                    for node, ranks in enumerate(hierarchy.layout.nodes)
+                ]
+            elif config.record_format == "arrow":  # fails here, at start, without pyarrow
                 columns_path = self.record_path.with_name(rank_columns_filename(self.record_path.name))
                 columns = RankColumnsWriter(columns_path, world_size)
             self.record = RunRecordWriter(
@@ -261,7 +275,19 @@ class PacingSession:
                     "restart_count": self.restart_count,
                 },
                 rank_columns=columns,
+                shards=shards,
             )
+        if sharded:
+            assert hierarchy is not None
+            # every rank learns where rank 0's record goes (collective over the side group)
+            where = gather_json(
+                group, rank, world_size, None if self.record_path is None else str(self.record_path),
+                config.exchange_timeout_s,
+            )[0]  # fmt: skip
+            if where is not None and hierarchy.is_leader:
+                members = hierarchy.layout.nodes[hierarchy.node]
+                shard = Path(where).with_name(rank_columns_filename(Path(where).name, hierarchy.node))
+                self.shard = RankColumnsWriter(shard, len(members), ranks=members)
         self._finished = False
         # Every rank times its own collections (a callback per collection, nothing per step); with
         # gc_sync the Pacer also collects at agreed steps. Both are undone in _close, whatever ends the run.
@@ -279,7 +305,7 @@ class PacingSession:
         #: whether anything reads the summaries' per-rank tuples: the JSON record's step lines, or tags
         #: per rank (up to ``per_rank_tag_limit``); a wide world with the columnar record has none
         self._summaries_per_rank = world_size <= config.per_rank_tag_limit or (
-            self.record is not None and self.record.rank_columns is None
+            self.record is not None and self.record.rank_columns is None and self.record.shards is None
         )
         #: what state_dict() saves, by name (the extension point: see register_state)
         self._state_components: dict[str, StatefulComponent] = {"pacer": self.pacer}
@@ -368,7 +394,10 @@ class PacingSession:
     def publish(self, result: WindowResult) -> None:
         """Rank 0: hand the window to the telemetry thread, which logs every step at its own global
         step and appends it to the run record (off the training thread: a TensorBoard writer blocks
-        ~65 us per scalar on its bounded queue, ~1 ms per step for the pace/ tags)."""
+        ~65 us per scalar on its bounded queue, ~1 ms per step for the pace/ tags). A node leader
+        with a shard of the record appends its node's rows to it first (a few ranks' rows)."""
+        if self.shard is not None and result.gathered.numel():
+            self.shard.write_gathered(result.gathered)
         if self.rank != 0:
             return
         if self.metrics_sink is None and self.record is None and self.endpoint is None:
@@ -751,6 +780,8 @@ class PacingSession:
     ) -> None:
         _OPEN.discard(self)
         self._release_collector()
+        if self.shard is not None:
+            self.shard.close()
         if self.watchdog is not None:
             self.watchdog.stop()
             self.watchdog = None

@@ -500,7 +500,9 @@ class PacingConfig:
             decisions, a ring of N - 1 hops for N nodes instead of W - 1, and a rank that is not a
             leader receives only its node's rows. Nodes are the placements' ``node_rank`` (else
             host); a job on one node, or one rank per node, runs flat. The leaders' gather and
-            decision are not overlapped with training (docs/benchmarks.md)."""
+            decision are not overlapped with training (docs/benchmarks.md); the controllers'
+            checkpoint state is the leaders' (rank 0's, what the adapters save). With
+            ``record_format: "arrow"`` each leader writes its node's shard of the per-rank columns."""
         ),
     )
     record_format: RecordFormat = field(

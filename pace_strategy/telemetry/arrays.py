@@ -244,7 +244,7 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
 
     loaded: dict[str, np.ndarray] = {}
     if columnar is not None:
-        loaded, rows = _kept_rank_columns(p.with_name(columnar), world, kept, steps)
+        loaded, rows = _kept_rank_columns(p.parent, columnar, world, kept, steps)
         if rows < len(steps):  # steps whose rows were never written (a crash between the two files)
             truncated = True
             steps, step_ms, active = steps[:rows], step_ms[:rows], active[:rows]
@@ -299,22 +299,28 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
 
 
 def _kept_rank_columns(
-    path: Path, world: int, kept: Sequence[int], labels: Sequence[int]
+    directory: Path,
+    shards: list[tuple[str, list[int]]],
+    world: int,
+    kept: Sequence[int],
+    labels: Sequence[int],
 ) -> tuple[dict[str, np.ndarray], int]:
     """The per-rank arrays of the kept steps (``kept``: their indices among the record's step lines,
     ``labels``: their step labels) from a columnar file, as the JSON lines would give them (rounded
     to the microsecond), and how many of the kept steps it has rows for."""
-    from pace_strategy.telemetry.columnar import RankColumnsError, read_rank_columns
+    from pace_strategy.telemetry.columnar import RankColumnsError, read_shards
 
     names = (*_RANK_FIELDS, *_OPTIONAL_RANK_FIELDS, "host_bound")
     index = np.asarray(kept, dtype=np.int64)
     try:
-        columns, written, _ = read_rank_columns(path, world, names, keep=index)
+        columns, written, _ = read_shards(directory, shards, world, names, keep=index)
     except RankColumnsError as error:
         raise RunRecordError(str(error)) from error
     rows = int(np.searchsorted(index, len(written)))  # the kept steps that have rows
     if not np.array_equal(written[index[:rows]], np.asarray(labels[:rows], dtype=np.int64)):
-        raise RunRecordError(f"{path} does not hold the steps of the record beside it: not one run")
+        raise RunRecordError(
+            f"{directory / shards[0][0]} does not hold the steps of the record beside it: not one run"
+        )
     for name, values in columns.items():
         if name not in ("host_bound", "gc_collections", "samples"):
             np.round(values, 3, out=values)  # float32 back to the JSON lines' numbers

@@ -49,6 +49,7 @@ __all__ = [
     "RankColumnsWriter",
     "rank_columns_filename",
     "read_rank_columns",
+    "read_shards",
 ]
 
 COLUMNS_SCHEMA = "pace_strategy/rank-columns"
@@ -73,10 +74,11 @@ class RankColumnsError(ValueError):
     the record's step lines."""
 
 
-def rank_columns_filename(record_name: str) -> str:
-    """``pace_run.jsonl`` -> ``pace_run.ranks.arrow`` (and so for every attempt's record)."""
+def rank_columns_filename(record_name: str, node: int | None = None) -> str:
+    """``pace_run.jsonl`` -> ``pace_run.ranks.arrow`` (and so for every attempt's record); a node
+    leader's shard of node ``node``: ``pace_run.ranks.node{node}.arrow``."""
     stem = record_name[: -len(".jsonl")] if record_name.endswith(".jsonl") else record_name
-    return f"{stem}.ranks.arrow"
+    return f"{stem}.ranks.arrow" if node is None else f"{stem}.ranks.node{node}.arrow"
 
 
 def _pyarrow() -> Any:
@@ -100,13 +102,23 @@ def _schema(pa: Any, world_size: int) -> pa.Schema:
 
 
 class RankColumnsWriter:
-    """Appends each window's per-rank columns to ``path`` (rank 0's telemetry thread). The file is
-    created at the first window; each window is flushed."""
+    """Appends each window's per-rank columns to ``path`` (rank 0's telemetry thread; or a node
+    leader's shard of its node's ranks). The file is created at the first window; each window is
+    flushed.
 
-    def __init__(self, path: str | Path, world_size: int) -> None:
+    Args:
+        path: the file.
+        world_size: the ranks it holds (all of them, or a node's).
+        ranks: their global ranks, ascending (default ``range(world_size)``): the ``rank`` column.
+    """
+
+    def __init__(self, path: str | Path, world_size: int, ranks: Sequence[int] | None = None) -> None:
         self._pa = _pyarrow()  # fails at start, not at the first window, when pyarrow is missing
         self.path = Path(path)
         self.world_size = world_size
+        self.ranks = tuple(ranks) if ranks is not None else tuple(range(world_size))
+        if len(self.ranks) != world_size:
+            raise ValueError(f"{len(self.ranks)} ranks given for a file of {world_size}")
         self.rows_written = 0
         self._schema = _schema(self._pa, world_size)
         self._sink: Any = None
@@ -126,8 +138,9 @@ class RankColumnsWriter:
         self.write_rows([s.step for s in summaries], columns)
 
     def write_gathered(self, g: Any) -> None:
-        """One record batch straight from a gathered window (``[world_size, steps, NUM_FIELDS]``
-        float64, a torch tensor): no per-rank Python objects, the same values as :meth:`write`."""
+        """One record batch straight from a gathered window (``[every rank, steps, NUM_FIELDS]``
+        float64, a torch tensor; this file's ranks are taken from it, their leads measured against
+        every rank): no per-rank Python objects, the same values as :meth:`write`."""
         from pace_strategy.core import glossary
         from pace_strategy.core.records import Field
 
@@ -135,9 +148,10 @@ class RankColumnsWriter:
         if window.shape[1] == 0:
             return
         lead = glossary.lead_ms(window[:, :, Field.WAIT_MS], rank_axis=0)
+        mine = list(self.ranks)
 
         def column(values: np.ndarray) -> np.ndarray:  # [ranks, steps] -> step-major [steps, ranks]
-            return np.ascontiguousarray(values.T)
+            return np.ascontiguousarray(values[mine].T)
 
         columns: dict[str, Any] = {"lead_ms": column(lead)}
         fields = {"compute_ms": Field.COMPUTE_MS, "wait_ms": Field.WAIT_MS, "delay_ms": Field.DELAY_MS,
@@ -171,7 +185,7 @@ class RankColumnsWriter:
         n = count * world
         arrays: list[Any] = [
             pa.array(np.repeat(np.asarray(steps, dtype=np.int64), world)),
-            pa.array(np.tile(np.arange(world, dtype=np.int32), count)),
+            pa.array(np.tile(np.asarray(self.ranks, dtype=np.int32), count)),
         ]
         for name in FLOAT_COLUMNS:
             arrays.append(_column(pa, columns.get(name), count, world, np.float32))
@@ -286,3 +300,41 @@ def read_rank_columns(
         }
     steps = np.concatenate(labels).astype(np.int64) if labels else np.empty(0, dtype=np.int64)
     return {name: values[:filled] for name, values in out.items()}, steps, truncated
+
+
+#: a record's per-rank files: (file name, the global ranks it holds)
+Shards = Sequence[tuple[str, Sequence[int]]]
+
+
+def read_shards(
+    directory: Path,
+    shards: Shards,
+    world_size: int,
+    columns: Sequence[str] | None = None,
+    keep: np.ndarray | None = None,
+) -> tuple[dict[str, np.ndarray], np.ndarray, bool]:
+    """:func:`read_rank_columns` over a record's files (one for every rank, or a shard per node
+    written by its leader), as ``[steps, world_size]`` arrays: the steps every file holds (a shard
+    that stops earlier, its leader stopped or crashed first, shortens them all: ``truncated``). A
+    column null in every kept step of every file is left out; where only some files have it, the
+    others' ranks read NaN."""
+    parts = []
+    for name, ranks in shards:
+        cols, labels, cut = read_rank_columns(directory / name, len(ranks), columns, keep)
+        parts.append((list(ranks), cols, labels, cut))
+    if len(parts) == 1 and parts[0][0] == list(range(world_size)):
+        return parts[0][1], parts[0][2], parts[0][3]
+    steps = min(len(labels) for _, _, labels, _ in parts)
+    labels = parts[0][2][:steps]
+    for (_, _, other, _), (name, _) in zip(parts, shards, strict=True):
+        if not np.array_equal(other[:steps], labels):
+            raise RankColumnsError(f"{directory / name} holds other steps than {shards[0][0]}: not one run")
+    rows = int(np.searchsorted(keep, steps)) if keep is not None else steps  # the kept steps all hold
+    out: dict[str, np.ndarray] = {}
+    for ranks, cols, _, _ in parts:
+        for name, values in cols.items():
+            if name not in out:
+                out[name] = np.full((rows, world_size), np.nan)
+            out[name][:, ranks] = values[:rows]
+    truncated = any(cut for *_, cut in parts) or any(len(p[2]) > steps for p in parts)
+    return out, labels, truncated

@@ -223,17 +223,19 @@ class RunRecordWriter:
         framework: str,
         extra: Mapping[str, Any] | None = None,
         rank_columns: RankColumnsWriter | None = None,
+        shards: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         self.path = Path(path)
         #: ``record_format: arrow``: where each step's per-rank columns go instead of its step line
         self.rank_columns = rank_columns
+        #: the node leaders write them (``exchange_topology: node_leaders``): ``{"file", "ranks"}`` each
+        self.shards = [dict(s) for s in shards] if shards else None
         extra = dict(extra or {})
+        described = {"schema": COLUMNS_SCHEMA, "version": COLUMNS_VERSION}
         if rank_columns is not None:
-            extra["rank_columns"] = {
-                "file": rank_columns.path.name,
-                "schema": COLUMNS_SCHEMA,
-                "version": COLUMNS_VERSION,
-            }
+            extra["rank_columns"] = {"file": rank_columns.path.name, **described}
+        elif self.shards is not None:
+            extra["rank_columns"] = {"shards": self.shards, **described}
         # The hang watchdog writes from its own thread while the telemetry thread may write a window.
         self._lock = threading.Lock()
         self._file: IO[str] | None = None
@@ -282,7 +284,8 @@ class RunRecordWriter:
                 self.rank_columns.write_gathered(gathered)
             else:
                 self.rank_columns.write(summaries)
-        steps = [step_line(s, with_ranks=self.rank_columns is None) for s in summaries]
+        with_ranks = self.rank_columns is None and self.shards is None
+        steps = [step_line(s, with_ranks=with_ranks) for s in summaries]
         self.steps_written += len(steps)
         last = steps[-1].step if steps else -1
         lines: list[Line] = list(steps)
@@ -443,28 +446,35 @@ def read_run_record(path: str | os.PathLike[str]) -> RunRecord:
         elif kind == TRUNCATED:
             record.truncated = True
     if columns is not None:
-        _attach_ranks(record, p.with_name(columns))
+        _attach_ranks(record, p.parent, columns)
     return record
 
 
-def rank_columns_of(header: Mapping[str, Any]) -> str | None:
-    """The file name of the record's columnar per-rank file (``record_format: arrow``), or ``None``
-    when its step lines carry their ``ranks`` themselves."""
+def rank_columns_of(header: Mapping[str, Any]) -> list[tuple[str, list[int]]] | None:
+    """The record's columnar per-rank files (``record_format: arrow``) with the ranks each holds
+    (one file of every rank, or each node leader's shard), or ``None`` when its step lines carry
+    their ``ranks`` themselves."""
     columns = header.get("rank_columns")
     if not isinstance(columns, Mapping):
         return None
     name = columns.get("file")
-    return name if isinstance(name, str) and name else None
+    if isinstance(name, str) and name:
+        return [(name, list(range(int(header["world_size"]))))]
+    shards = columns.get("shards")
+    if isinstance(shards, list) and shards:
+        return [(str(s["file"]), [int(r) for r in s["ranks"]]) for s in shards]
+    return None
 
 
-def _attach_ranks(record: RunRecord, path: Path) -> None:
+def _attach_ranks(record: RunRecord, directory: Path, shards: list[tuple[str, list[int]]]) -> None:
     """Give each step line its ``ranks`` lists back from the columnar file (what every reader of
     :class:`RunRecord` expects). Steps whose rows were never written (a crash between the two files)
     are dropped, and the record reads as truncated."""
-    from pace_strategy.telemetry.columnar import RankColumnsError, read_rank_columns
+    from pace_strategy.telemetry.columnar import RankColumnsError, read_shards
 
+    path = directory / shards[0][0]
     try:
-        columns, labels, cut = read_rank_columns(path, record.world_size)
+        columns, labels, cut = read_shards(directory, shards, record.world_size)
     except RankColumnsError as error:
         raise RunRecordError(str(error)) from error
     if len(labels) < len(record.steps):

@@ -115,3 +115,50 @@ def test_a_verdict_carries_every_decision_exactly():
     assert back.decision == result.decision and back.rebalance == result.rebalance
     assert back.stats.straggler_counts == (0, 2, 0) and back.stats.median_step_ms == 41.25
     assert back.gathered.numel() == 0  # the rows stay with the leaders
+
+
+def test_the_node_leaders_write_the_record_in_shards(tmp_path):
+    # record_format arrow with node leaders: rank 0 writes the global stream, each leader its node's
+    # rows; read back, the record is the flat run's, step for step.
+    pytest.importorskip("pyarrow")
+    from pace_strategy.telemetry.arrays import load_arrays
+    from pace_strategy.telemetry.run_record import read_run_record
+    from tests.unit.test_columnar_record import _arrays_equal
+
+    nodes, world = [4, 2], 6
+    cfg = dataclasses.replace(CFG, mode="forced")
+    sharded = dataclasses.replace(cfg, exchange_topology="node_leaders", record_format="arrow")
+    loop = functools.partial(rank_loop, model=_model(world, slow=5), steps=6 * K, global_batch=32 * world)
+    flat_dir, tiered_dir = tmp_path / "flat", tmp_path / "tiered"
+    flat_tags: list = []
+    tiered_tags: list = []
+    raise_first(run_ranks(world, lambda r, g: loop(r, g, cfg=cfg, run_dir=flat_dir, tags=flat_tags)))
+    raise_first(
+        run_node_ranks(
+            nodes, lambda r, g, h: loop(r, g, cfg=sharded, run_dir=tiered_dir, tags=tiered_tags, hierarchy=h)
+        )
+    )
+    assert sorted(p.name for p in tiered_dir.iterdir()) == [
+        "pace_run.jsonl", "pace_run.ranks.node0.arrow", "pace_run.ranks.node1.arrow"
+    ]  # fmt: skip
+    record = read_run_record(tiered_dir)
+    assert record.header["rank_columns"]["shards"] == [
+        {"file": "pace_run.ranks.node0.arrow", "ranks": [0, 1, 2, 3]},
+        {"file": "pace_run.ranks.node1.arrow", "ranks": [4, 5]},
+    ]
+    assert record.end["exchange"] == {"topology": "node_leaders", "nodes": [[0, 1, 2, 3], [4, 5]]}
+
+    # the garbage collector's real pauses land in whichever thread rank's step is open: not compared
+    def measured(steps):
+        return [
+            {**s, "ranks": {k: v for k, v in s["ranks"].items() if not k.startswith("gc_")}} for s in steps
+        ]
+
+    assert measured(record.steps) == measured(read_run_record(flat_dir).steps) and len(record.steps) == 6 * K
+    tiered, flat = load_arrays(tiered_dir), load_arrays(flat_dir)
+    _arrays_equal(dataclasses.replace(tiered, gc_ms=None, gc_collections=None),
+                  dataclasses.replace(flat, gc_ms=None, gc_collections=None))  # fmt: skip
+    assert tiered.gc_ms is not None and tiered.gc_ms.shape == flat.gc_ms.shape
+    untimed = [[(step, {k: v for k, v in m.items() if "gc" not in k}) for step, m in sorted(t)]
+               for t in (tiered_tags, flat_tags)]  # fmt: skip
+    assert untimed[0] == untimed[1]

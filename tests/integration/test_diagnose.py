@@ -171,13 +171,18 @@ def launch_nodes(tmp_path: Path, name: str, nodes: list[tuple[dict, list[str]]],
 def test_slow_local_rank_on_every_node_is_locality(tmp_path):
     """Two node groups on one machine, local rank 1 slow on both."""
     nodes = [({"PACE_HOSTNAME": "node-a"}, []), ({"PACE_HOSTNAME": "node-b"}, [])]
-    # the window exchange through the node leaders: the diagnosis reads the same
+    # the window exchange through the node leaders, each writing its node's rows of the record: the
+    # diagnosis reads the same
     launch_nodes(
         tmp_path, "local", nodes, "--devices", "2", "--steps", "50", "--straggler-local", "1:30",
-        "--pacing", "exchange_topology=node_leaders",
+        "--pacing", "exchange_topology=node_leaders", "--pacing", "record_format=arrow",
     )  # fmt: skip
     run = only_version_dir(tmp_path, "local")
-    assert read_run_record(run).end["exchange"] == {"topology": "node_leaders", "nodes": [[0, 1], [2, 3]]}
+    record = read_run_record(run)
+    assert record.end["exchange"] == {"topology": "node_leaders", "nodes": [[0, 1], [2, 3]]}
+    shards = [s["file"] for s in record.header["rank_columns"]["shards"]]
+    assert shards == ["pace_run.ranks.node0.arrow", "pace_run.ranks.node1.arrow"]
+    assert all((run / shard).is_file() for shard in shards) and len(record.steps) == 50
     result = diagnose_json(run)
     top = result["findings"][0]
     assert top["mode"] == "locality" and top["ranks"] == [1, 3], result["findings"]

@@ -298,6 +298,7 @@ def rank_loop(
             log_dir=run_dir if rank == 0 else None,
             metrics_sink=lambda metrics, step: tags.append((step, dict(metrics))),
             clock=clock,
+            hierarchy=hierarchy,
         )
         pacer = session.pacer
     schedule = ShareSchedule(global_batch, world)
