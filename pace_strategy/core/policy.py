@@ -400,7 +400,7 @@ class PacingPolicy:
         delays = torch.where(persistent, raw, torch.zeros_like(raw)).clamp(0.0, cap)
         delays = delays - delays.min()  # a delay every rank shares buys nothing
         delays = torch.where(delays >= cfg.min_delay_ms, delays, torch.zeros_like(delays))
-        return tuple(float(d) for d in delays.tolist())
+        return tuple(delays.tolist())  # float64: Python floats already
 
     def _decision(
         self, window: int, reason: str, delays: tuple[float, ...] | None = None, paced_ms: float | None = None
