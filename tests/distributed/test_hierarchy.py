@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import pytest
 import torch
@@ -29,7 +30,24 @@ def _outcome(result):
     return splits(entries), rebalance, step_ms
 
 
-@pytest.mark.parametrize("nodes", [[4, 4], [4, 2], [2, 2, 2, 2]])
+#: 16, 32 and 64 thread ranks take 1-6, 14 and 31 s here: run with PACE_SCALE_TESTS=1 (they passed on
+#: 2026-12-06)
+LARGE = pytest.mark.skipif(
+    not os.environ.get("PACE_SCALE_TESTS"), reason="set PACE_SCALE_TESTS=1: up to 31 s each"
+)
+
+
+@pytest.mark.parametrize(
+    "nodes",
+    [
+        [4, 4],
+        [4, 2],
+        [2, 2, 2, 2],
+        pytest.param([4] * 4, marks=LARGE),
+        pytest.param([8] * 4, marks=LARGE),
+        pytest.param([8] * 8, marks=LARGE),
+    ],
+)
 def test_every_rank_decides_as_the_flat_exchange_does(nodes):
     world = sum(nodes)
     cfg = dataclasses.replace(CFG, mode="forced")  # pacing decides something every window
