@@ -11,9 +11,12 @@ collective with ``enter_collective`` / ``exit_collective`` instead (the first ap
 on a device clock, every place the compute stream waits for one with ``enter_wait`` / ``exit_wait``.
 The hot path is a few clock marks and a counter; everything else happens once per window.
 
-The Pacer decides; it does not summarize. Whoever needs per-step :class:`StepSummary` records (the
-session's telemetry thread on rank 0, tests, benchmarks) feeds each ``WindowResult.gathered`` to one
-:class:`StepSummarizer` of its own.
+Once per window the Pacer resolves its rows, exchanges them (one all-gather, or through the node
+leaders: :mod:`pace_strategy.core.hierarchy`) and hands the gathered window to its controllers
+(:mod:`pace_strategy.core.controllers`), whose arbitrated decision it applies; a rank that is not a
+node leader applies the decision its leader sent. The Pacer does not summarize. Whoever needs
+per-step :class:`StepSummary` records (the session's telemetry thread on rank 0, tests, benchmarks)
+feeds each ``WindowResult.gathered`` to one :class:`StepSummarizer` of its own.
 """
 
 from __future__ import annotations
