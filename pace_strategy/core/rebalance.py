@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from pace_strategy.core.config import PacingConfig
@@ -163,15 +164,23 @@ def measure_window(gathered: torch.Tensor, global_batch: int) -> WindowMeasure |
     if not bool(usable.any()):
         totals = sorted({int(v) for v in total[reported].tolist()})
         return f"no step trained on the global batch of {global_batch} samples (the ranks' totals: {totals})"
-    rows = gathered[:, usable, :]
+    everything = bool(usable.all())
+
+    def column(f: Field) -> torch.Tensor:
+        # one field of the usable steps, [W, steps]: not a copy of every field of them
+        values = gathered[:, :, f]
+        return values.contiguous() if everything else values[:, usable]
+
     batches = total[usable] / global_batch  # micro-batches per step (gradient accumulation)
-    n = rows[:, :, Field.SAMPLES] / batches  # per micro-batch: the split itself
-    compute = rows[:, :, Field.COMPUTE_MS]
-    labels = rows[0, :, Field.STEP]
+    trained = column(Field.SAMPLES)
+    n = trained / batches  # per micro-batch: the split itself
+    compute = column(Field.COMPUTE_MS)
+    labels = gathered[0, usable, Field.STEP]
     # Means over the window: the time a burst costs counts (a median would not see it).
-    per_sample = (compute / rows[:, :, Field.SAMPLES]).mean(dim=1)
+    per_sample = (compute / trained).mean(dim=1)
     if not bool((per_sample > 0).all()):
         return "a rank's compute time was not measured (0 ms per sample)"
+    delay = column(Field.DELAY_MS)
     return WindowMeasure(
         first_step=int(labels[0]),
         last_step=int(labels[-1]),
@@ -179,11 +188,11 @@ def measure_window(gathered: torch.Tensor, global_batch: int) -> WindowMeasure |
         uniform=bool((n == n[:, :1]).all()) and bool((batches == batches[0]).all()),
         batches=int(batches[0]),
         compute_ms=tuple(compute.mean(dim=1).tolist()),
-        wait_ms=tuple((rows[:, :, Field.WAIT_MS] + rows[:, :, Field.DELAY_MS]).mean(dim=1).tolist()),
+        wait_ms=tuple((column(Field.WAIT_MS) + delay).mean(dim=1).tolist()),
         per_sample_ms=tuple(per_sample.tolist()),
-        step_ms=float(rows[:, :, Field.STEP_MS].amax(dim=0).mean()),
-        paced=bool((rows[:, :, Field.DELAY_MS] > 0).any()),
-        mem_peak=tuple(rows[:, :, Field.MEM_PEAK].amax(dim=1).tolist()),
+        step_ms=float(column(Field.STEP_MS).amax(dim=0).mean()),
+        paced=bool((delay > 0).any()),
+        mem_peak=tuple(column(Field.MEM_PEAK).amax(dim=1).tolist()),
     )
 
 
@@ -230,10 +239,15 @@ def best_split(
     def key(r: int, count: int) -> tuple[float, float, int]:
         return (t[r] * (count + 1) * quantum, count - ideal[r], r)
 
-    count = [1] * world
-    heap = [key(r, 1) for r in range(world) if limit[r] > 1]
+    # The greedy pops the units - W smallest keys of all ranks (each rank's keys grow with its
+    # count). Every key whose compute is below a bound T precedes every other key, so the ranks'
+    # counts below the largest T that leaves at most units - W keys under it are taken at once
+    # (vectorized, with the keys' own arithmetic), and the heap hands out only the rest: a few per
+    # rank instead of units - W pops (0.1 s per window at 8,192 ranks). The same split.
+    count = _counts_below(t, limit, quantum, units - world)
+    heap = [key(r, count[r]) for r in range(world) if count[r] < limit[r]]
     heapq.heapify(heap)
-    for _ in range(units - world):
+    for _ in range(units - sum(count)):
         r = heapq.heappop(heap)[2]
         count[r] += 1
         if count[r] < limit[r]:  # a rank at its cap takes no more
@@ -244,6 +258,32 @@ def best_split(
         r = min(room or range(world), key=lambda i: (t[i] * (shares[i] + rest), i))
         shares[r] += rest
     return tuple(shares), max(t[r] * shares[r] for r in range(world))
+
+
+def _counts_below(t: Sequence[float], limit: Sequence[int], quantum: int, extra: int) -> list[int]:
+    """Each rank's count (at least 1, at most its limit) once every key ``t[r] * (count + 1) *
+    quantum`` below the largest bound that leaves at most ``extra`` such keys has been taken."""
+    times = np.asarray(t, dtype=np.float64)
+    most = np.asarray(limit, dtype=np.int64) - 1  # keys a rank has: counts 1 .. limit - 1
+
+    def taken(bound: float) -> np.ndarray:
+        # keys c = 1 .. most with t * (c + 1) * quantum < bound, counted with the key's own rounding
+        guess = np.clip(np.floor(bound / (times * quantum)) - 1, 0, most).astype(np.int64)
+        for _ in range(2):  # the division's rounding: move the guess to the exact boundary
+            over = (guess > 0) & ~(times * (guess + 1) * quantum < bound)
+            guess = np.where(over, guess - 1, guess)
+            under = (guess < most) & (times * (guess + 2) * quantum < bound)
+            guess = np.where(under, guess + 1, guess)
+        return guess
+
+    lo, hi = 0.0, float(np.max(times * (most + 1) * quantum)) + 1.0
+    for _ in range(64):  # the largest bound with at most ``extra`` keys below it
+        mid = (lo + hi) / 2
+        if int(taken(mid).sum()) <= extra:
+            lo = mid
+        else:
+            hi = mid
+    return [1 + int(n) for n in taken(lo)]
 
 
 def first_boundary(window_last_step: int, every_steps: int, not_before: int) -> int:
