@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -138,6 +139,22 @@ def node_leader_exchange(
             )
     assert node_group is not None
     return HierarchicalExchange(layout, rank, node_group, leader_group, config.exchange_timeout_s)
+
+
+def _hold_uncaught_errors(seconds: float) -> None:
+    """The watchdog is ending the process with the hang's exit code: an exception that reaches the top
+    of the training thread meanwhile (a peer that already left closed the connection of the collective
+    it was blocked in) waits up to ``seconds`` for that exit instead of ending the process first with
+    its own code, which would tell the launcher a rank failed rather than hung. Seen once in a
+    3-process test: rank 0 aborted, and rank 2's DDP all-reduce failed before its watchdog's exit."""
+    previous = sys.excepthook
+
+    def hold(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        log.error("pace_strategy: the training thread failed while the hang abort runs: %s", error)
+        time.sleep(seconds)  # the watchdog's os._exit ends the process first
+        previous(kind, error, tb)
+
+    sys.excepthook = hold
 
 
 @contextlib.contextmanager
@@ -699,6 +716,8 @@ class PacingSession:
         except Exception:  # the disk: the verdict is logged anyway, and the abort must still happen
             log.exception("pace_strategy: could not write the hang line to %s", self.record_path)
         abort = self.config.hang.action == "abort"
+        if abort:
+            _hold_uncaught_errors(self._evidence_wait_s() + 60.0)
         try:
             if abort and not self._finished:  # the end line first: nothing after may be in time
                 self._finished = True

@@ -200,3 +200,32 @@ def test_restarted_attempts_keep_their_own_records_and_the_diagnosis_names_both(
     )
     with pytest.raises(RunRecordError, match="restart_count"):
         read_run_record(bad)
+
+
+def test_a_training_thread_that_fails_during_the_hang_abort_waits_for_the_hang_exit_code():
+    # Seen in a 3-process run: rank 0 aborted first, and rank 2's DDP all-reduce failed (its peer
+    # closed the connection) before rank 2's own watchdog ended the process: exit 1, not 75.
+    import subprocess
+    import sys
+    import textwrap
+
+    from pace_strategy.core.watchdog import HANG_EXIT_CODE
+
+    script = textwrap.dedent(
+        f"""
+        import os, threading, time
+        from pace_strategy.session import _hold_uncaught_errors
+
+        def watchdog():
+            _hold_uncaught_errors(30.0)  # as _on_hang does first
+            time.sleep(1.0)  # evidence, then the exit
+            os._exit({HANG_EXIT_CODE})
+
+        threading.Thread(target=watchdog, daemon=True).start()
+        time.sleep(0.2)
+        raise RuntimeError("Connection closed by peer")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == HANG_EXIT_CODE, done.stderr
+    assert "failed while the hang abort runs: Connection closed by peer" in done.stderr
