@@ -48,6 +48,7 @@ from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.policy import ab_gain_needed_ms, ab_noise_ms, next_cooldown_windows
 from pace_strategy.core.records import Field
 from pace_strategy.core.shares import even_shares
+from pace_strategy.core.skew import usable_field
 from pace_strategy.core.state import STATE_VERSION, PacingStateError, check_state
 
 __all__ = [
@@ -164,12 +165,9 @@ def measure_window(gathered: torch.Tensor, global_batch: int) -> WindowMeasure |
     if not bool(usable.any()):
         totals = sorted({int(v) for v in total[reported].tolist()})
         return f"no step trained on the global batch of {global_batch} samples (the ranks' totals: {totals})"
-    everything = bool(usable.all())
 
     def column(f: Field) -> torch.Tensor:
-        # one field of the usable steps, [W, steps]: not a copy of every field of them
-        values = gathered[:, :, f]
-        return values.contiguous() if everything else values[:, usable]
+        return usable_field(gathered, usable, f)
 
     batches = total[usable] / global_batch  # micro-batches per step (gradient accumulation)
     trained = column(Field.SAMPLES)

@@ -14,7 +14,23 @@ from pace_strategy.core import glossary
 from pace_strategy.core.glossary import coefficient_of_variation
 from pace_strategy.core.records import Field
 
-__all__ = ["WindowStats", "coefficient_of_variation", "lead", "pacable_lead", "skew", "window_stats"]
+__all__ = [
+    "WindowStats",
+    "coefficient_of_variation",
+    "lead",
+    "pacable_lead",
+    "skew",
+    "usable_field",
+    "window_stats",
+]
+
+
+def usable_field(gathered: torch.Tensor, usable: torch.Tensor, field: Field) -> torch.Tensor:
+    """One field of a gathered window's ``usable`` steps (``[steps]`` bool), ``[world_size, usable
+    steps]``, contiguous. Copying every field of the usable steps to read a few of them moves all 17
+    (half a decision's time at 8,192 ranks); the values are the same either way."""
+    values = gathered[:, :, field]
+    return values.contiguous() if bool(usable.all()) else values[:, usable]
 
 
 def skew(wait_ms: torch.Tensor) -> torch.Tensor:
@@ -69,14 +85,6 @@ def window_stats(window: int, gathered: torch.Tensor) -> WindowStats:
     world_size = gathered.shape[0]
     usable = (gathered[:, :, Field.VALID] > 0).all(dim=0) & (gathered[:, :, Field.WARMUP] == 0).all(dim=0)
     steps = int(usable.sum())
-
-    def column(f: Field) -> torch.Tensor:
-        # One field of the usable steps, [world_size, steps]: copying the whole window's usable rows
-        # first would move all 17 fields (half the decision's time at 8,192 ranks). The values, and
-        # so every statistic below, are the same either way.
-        values = gathered[:, :, f]
-        return values.contiguous() if steps == usable.numel() else values[:, usable]
-
     if steps == 0:
         return WindowStats(
             window=window,
@@ -87,10 +95,10 @@ def window_stats(window: int, gathered: torch.Tensor) -> WindowStats:
             pacable_lead_ms=torch.zeros(world_size, 0, dtype=torch.float64),
             straggler_counts=(0,) * world_size,
         )
-    wait = column(Field.WAIT_MS)
-    delay = column(Field.DELAY_MS)
-    compute = column(Field.COMPUTE_MS)
-    step_ms = column(Field.STEP_MS).amax(dim=0)
+    wait = usable_field(gathered, usable, Field.WAIT_MS)
+    delay = usable_field(gathered, usable, Field.DELAY_MS)
+    compute = usable_field(gathered, usable, Field.COMPUTE_MS)
+    step_ms = usable_field(gathered, usable, Field.STEP_MS).amax(dim=0)
     unpaced_skew = skew(wait + delay)
     stragglers = torch.bincount(glossary.straggler_rank(wait, rank_axis=0), minlength=world_size)
     return WindowStats(
