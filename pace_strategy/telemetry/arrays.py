@@ -306,8 +306,8 @@ def _kept_rank_columns(
     labels: Sequence[int],
 ) -> tuple[dict[str, np.ndarray], int]:
     """The per-rank arrays of the kept steps (``kept``: their indices among the record's step lines,
-    ``labels``: their step labels) from a columnar file, as the JSON lines would give them (rounded
-    to the microsecond), and how many of the kept steps it has rows for."""
+    ``labels``: their step labels) from a columnar file, as the JSON lines would give them, and how
+    many of the kept steps it has rows for."""
     from pace_strategy.telemetry.columnar import RankColumnsError, read_shards
 
     names = (*_RANK_FIELDS, *_OPTIONAL_RANK_FIELDS, "host_bound")
@@ -321,9 +321,6 @@ def _kept_rank_columns(
         raise RunRecordError(
             f"{directory / shards[0][0]} does not hold the steps of the record beside it: not one run"
         )
-    for name, values in columns.items():
-        if name not in ("host_bound", "gc_collections", "samples"):
-            np.round(values, 3, out=values)  # float32 back to the JSON lines' numbers
     return columns, rows
 
 

@@ -235,7 +235,9 @@ def read_rank_columns(
     integer and boolean columns too), the labels of every step it holds, and whether its last batch
     was cut off (a crash). ``columns``: only these (column projection; default all); ``keep``: only
     these steps (sorted indices among the file's steps; default all), filled batch by batch, so the
-    memory is the arrays returned and one batch; a column null in every kept step is then left out."""
+    memory is the arrays returned and one batch; a column null in every kept step is then left out.
+    The durations come back rounded to the microsecond, as the writer rounded them before float32:
+    the numbers the JSON lines would hold."""
     pa = _pyarrow()
     p = Path(path)
     if not p.is_file():
@@ -281,13 +283,14 @@ def read_rank_columns(
                 lo, hi = np.searchsorted(keep, (first, first + count))
                 rows = keep[lo:hi] - first
             for name in wanted:
-                values = batch.column(name).to_numpy(zero_copy_only=False).reshape(count, world_size)
+                column = batch.column(name)
+                if rows is not None and name not in out and column.null_count == batch.num_rows:
+                    continue  # null so far: no array yet, nothing to convert
+                values = column.to_numpy(zero_copy_only=False).reshape(count, world_size)
                 if rows is None:
                     parts[name].append(values.astype(np.float64))
                     continue
                 if name not in out:
-                    if batch.column(name).null_count == batch.num_rows:
-                        continue  # null so far: no array yet
                     assert keep is not None
                     out[name] = np.empty((len(keep), world_size))
                     out[name][:filled] = np.nan
@@ -299,6 +302,9 @@ def read_rank_columns(
             name: np.concatenate(parts[name]) if parts[name] else np.empty((0, world_size)) for name in wanted
         }
     steps = np.concatenate(labels).astype(np.int64) if labels else np.empty(0, dtype=np.int64)
+    for name, values in out.items():
+        if name in FLOAT_COLUMNS:  # float32 back to the numbers the JSON lines hold (the writer rounded)
+            np.round(values, 3, out=values)
     return {name: values[:filled] for name, values in out.items()}, steps, truncated
 
 

@@ -499,7 +499,7 @@ def _attach_ranks(record: RunRecord, directory: Path, shards: list[tuple[str, li
             elif name in ("gc_collections", "samples"):
                 ranks[name] = [int(v) for v in row]
             else:
-                ranks[name] = [None if math.isnan(v) else round(float(v), 3) for v in row]
+                ranks[name] = [None if math.isnan(v) else float(v) for v in row]
         step["ranks"] = ranks
 
 
