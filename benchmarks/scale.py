@@ -85,6 +85,7 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
     )
     summarizer = StepSummarizer(config.cv_window_steps)
     lean = StepSummarizer(config.cv_window_steps)  # the columnar record's: per-rank tuples only for tags
+    sharded = StepSummarizer(config.cv_window_steps)  # rank 0's with node-leader shards (its own state)
     per_rank = world <= config.per_rank_tag_limit
     record = RunRecordWriter(
         out / f"w{world}.jsonl", world_size=world, config=config.to_dict(), topology=[], framework="scale"
@@ -144,9 +145,10 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         arrow.write_window(lean_summaries, None, gathered=g)
         arrow_done = time.perf_counter()
         shard.write_gathered(g)  # on the training thread, as every node leader does
-        for s in lean.summarize(g, per_rank=per_rank):
+        shard_summaries = sharded.summarize(g, per_rank=per_rank)
+        for s in shard_summaries:
             step_metrics(s, config.per_rank_tag_limit, batch_shares=True)
-        global_stream.write_window(lean_summaries, None)
+        global_stream.write_window(shard_summaries, None)
         if i:
             shard_publish_ms.append((time.perf_counter() - arrow_done) * 1e3)
         if i:  # the first window pays one-off costs (imports, allocations)
