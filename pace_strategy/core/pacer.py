@@ -140,8 +140,12 @@ def verdict_of(r: WindowResult) -> tuple[dict[str, Any], dict[str, Sequence[floa
     if collect is not None:
         vectors["gc_due"] = collect.due
     if rebalance is not None:
-        fields = dataclasses.asdict(rebalance)
-        meta["rebalance"] = {k: v for k, v in fields.items() if k not in ("shares", "per_sample_ms")}
+        # the scalar fields only (asdict would deep-copy the per-rank tuples the vectors carry)
+        meta["rebalance"] = {
+            f.name: getattr(rebalance, f.name)
+            for f in dataclasses.fields(rebalance)
+            if f.name not in ("shares", "per_sample_ms")
+        }
         meta["rebalance"]["state"] = rebalance.state.value
         vectors["shares"] = rebalance.shares
         if rebalance.per_sample_ms:  # empty before the first measured window
