@@ -116,7 +116,7 @@ def node_leader_exchange(
     group (gloo, lazily connected, each built by its members only), or ``None`` where the placements
     give one node, or one rank per node (then the exchange runs flat). Collective over each group."""
     layout = NodeLayout.from_topology(topology)
-    check_layout(layout, world_size)
+    check_layout(layout, rank, world_size)
     if len(layout.nodes) in (1, world_size):
         if rank == 0:
             log.info(

@@ -159,10 +159,10 @@ class HierarchicalExchange:
             raise exchange._error(error, -1, -1) from error
 
 
-def check_layout(layout: NodeLayout, world_size: int) -> None:
-    """Raise when the placements do not cover every rank once."""
+def check_layout(layout: NodeLayout, rank: int, world_size: int) -> None:
+    """Raise (naming ``rank``, the rank that checks) when the placements do not cover every rank once."""
     ranks = sorted(r for n in layout.nodes for r in n)
     if ranks != list(range(world_size)):
         raise PaceDistributedError(
-            0, world_size, f"the placements give nodes {layout.nodes}, not {world_size} ranks"
+            rank, world_size, f"the placements give nodes {layout.nodes}, not {world_size} ranks"
         )
