@@ -101,10 +101,6 @@ class HierarchicalExchange:
         """Launch the node-local all-gather of this rank's rows ``[steps, fields]``."""
         return self._node.start(rows, first_step, last_step)
 
-    def completed(self, pending: PendingGather) -> bool:
-        """Whether the node's gather has completed (never waits)."""
-        return pending.work is None or bool(pending.work.is_completed())
-
     def wait_window(self, pending: PendingGather) -> torch.Tensor | None:
         """A leader: the whole window ``[world_size, steps, fields]`` in global rank order (after the
         leaders' all-gather). Any other rank: ``None``, once its node's gather has completed."""
