@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from pace_strategy.core.clock import ManualClock
+from pace_strategy.core.comm import field_major
 from pace_strategy.core.config import PacingConfig, RebalanceConfig
 from pace_strategy.core.pacer import Pacer, result_of, verdict_of
 from pace_strategy.core.records import NUM_FIELDS, Field
@@ -58,9 +59,10 @@ PER_NODE = 8  #: ranks per node, for the node-leader figures
 
 
 def window(world: int, steps: int, first: int, seed: int) -> torch.Tensor:
-    """A gathered window ``[world, steps, NUM_FIELDS]`` of plausible, valid steps."""
+    """A gathered window ``[world, steps, NUM_FIELDS]`` of plausible, valid steps, laid out as the
+    exchange gathers it (field-major)."""
     g = torch.Generator().manual_seed(seed)
-    w = torch.zeros(world, steps, NUM_FIELDS, dtype=torch.float64)
+    w = field_major(world, steps, NUM_FIELDS).zero_()
     w[:, :, Field.STEP] = torch.arange(first, first + steps, dtype=torch.float64)
     w[:, :, Field.VALID] = 1.0
     compute = 40.0 + torch.randn(world, steps, generator=g, dtype=torch.float64)
@@ -108,6 +110,19 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         shards=nodes,
     )  # fmt: skip
     shard_publish_ms: list[float] = []
+    # the same work on a step-major copy of each window (the exchange's layout before it gathered
+    # field-major): same values, same decisions; what the layout alone costs
+    step_major_pacer = Pacer(
+        PacingConfig(exchange_every_steps=steps, warmup_steps=0), None, 0, world, ManualClock()
+    )
+    step_major_summarizer = StepSummarizer(config.cv_window_steps)
+    step_major_shard = RankColumnsWriter(out / f"m{world}.ranks.node0.arrow", PER_NODE, ranks=range(PER_NODE))
+    step_major_stream = RunRecordWriter(
+        out / f"m{world}.jsonl", world_size=world, config=config.to_dict(), topology=[], framework="scale",
+        shards=nodes,
+    )  # fmt: skip
+    step_major_pacing_ms: list[float] = []
+    step_major_shard_ms: list[float] = []
     tags = 0
     decide_ms, pacing_ms, publish_ms, jsonl_ms, arrow_ms, arrow_publish_ms = [], [], [], [], [], []
     follow_ms: list[float] = []
@@ -115,7 +130,7 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
     for i in range(repeat + 1):
         g = window(world, steps, i * steps, seed=i)
         started = time.perf_counter()
-        pacing_only._decide(g)
+        paced_result = pacing_only._decide(g)
         paced = time.perf_counter()
         if i:
             pacing_ms.append((paced - started) * 1e3)
@@ -151,6 +166,21 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         global_stream.write_window(shard_summaries, None)
         if i:
             shard_publish_ms.append((time.perf_counter() - arrow_done) * 1e3)
+        rowwise = g.contiguous()  # [W, K, 17] step-major
+        layout_started = time.perf_counter()
+        if step_major_pacer._decide(rowwise).decision != paced_result.decision:
+            raise AssertionError("the window's layout changed a decision")
+        layout_decided = time.perf_counter()
+        step_major_shard.write_gathered(rowwise)
+        rowwise_summaries = step_major_summarizer.summarize(rowwise, per_rank=per_rank)
+        for s in rowwise_summaries:
+            step_metrics(s, config.per_rank_tag_limit, batch_shares=True)
+        step_major_stream.write_window(rowwise_summaries, None)
+        if rowwise_summaries != shard_summaries:
+            raise AssertionError("the window's layout changed a summary")
+        if i:
+            step_major_pacing_ms.append((layout_decided - layout_started) * 1e3)
+            step_major_shard_ms.append((time.perf_counter() - layout_decided) * 1e3)
         if i:  # the first window pays one-off costs (imports, allocations)
             decide_ms.append((decided - started) * 1e3)
             publish_ms.append((published - decided) * 1e3)
@@ -161,6 +191,8 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
     arrow.close()
     global_stream.close()
     shard.close()
+    step_major_shard.close()
+    step_major_stream.close()
     size = (out / f"w{world}.jsonl").stat().st_size
     arrow_size = (out / f"a{world}.jsonl").stat().st_size + columns.path.stat().st_size
     rank_steps = world * steps * (repeat + 1)
@@ -180,6 +212,8 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         "leaders_ring_latency_ms_tcp": (world // PER_NODE - 1) * HOP_US[1] / 1e3,
         "rank0_telemetry_ms_arrow": statistics.median(arrow_publish_ms),
         "rank0_telemetry_ms_shards": statistics.median(shard_publish_ms),
+        "decision_ms_pacing_step_major": statistics.median(step_major_pacing_ms),
+        "rank0_telemetry_ms_shards_step_major": statistics.median(step_major_shard_ms),
         "record_bytes_per_rank_step": size / rank_steps,
         "arrow_record_bytes_per_rank_step": arrow_size / rank_steps,
         "record_write_ms_jsonl": statistics.median(jsonl_ms),
@@ -226,6 +260,14 @@ def main() -> int:
             f"{r['ranks']:>6,} {r['node_leaders_bytes_received_per_window'] / 1e6:>13.3f} MB "
             f"{r['node_leaders_follow_ms']:>11.2f} ms {r['leaders_ring_latency_ms_tcp']:>24.1f} ms"
             f"{r['rank0_telemetry_ms_shards']:>29.1f} ms"
+        )
+    print("\nthe window's layout: step-major (the exchange's before) | field-major (now), same values")
+    print(f"{'ranks':>6} {'pacing decision':>24} {'rank-0 telemetry, arrow shards':>32}")
+    for r in rows:
+        before, now = r["decision_ms_pacing_step_major"], r["decision_ms_pacing"]
+        print(
+            f"{r['ranks']:>6,} {before:>8.1f} | {now:>5.1f} ms (x{before / now:.1f}) "
+            f"{r['rank0_telemetry_ms_shards_step_major']:>12.1f} | {r['rank0_telemetry_ms_shards']:>5.1f} ms"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pace_strategy.core.comm import PendingGather, WindowExchange
+from pace_strategy.core.comm import PendingGather, WindowExchange, field_major
 from pace_strategy.core.errors import PaceDistributedError
 
 __all__ = ["HierarchicalExchange", "NodeLayout"]
@@ -113,7 +113,7 @@ class HierarchicalExchange:
         blocks = self._leaders.gather(padded.reshape(self._widest * steps, fields), pending.first_step,
                                       pending.last_step)  # fmt: skip
         blocks = blocks.reshape(len(self.layout.nodes), self._widest, steps, fields)
-        window = torch.empty(self.world_size, steps, fields, dtype=block.dtype)
+        window = field_major(self.world_size, steps, fields, block.dtype)  # as the flat exchange's
         for node, ranks in enumerate(self.layout.nodes):
             window[list(ranks)] = blocks[node, : len(ranks)]
         return window

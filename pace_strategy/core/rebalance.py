@@ -222,47 +222,64 @@ def best_split(
             f"to at most {global_batch // world}."
         )
     t = [float(v) for v in per_sample_ms]
-    speed = [1.0 / v for v in t]
-    total_speed = sum(speed)  # once: summed for every rank it made the split quadratic in W
-    ideal = [units * v / total_speed for v in speed]  # units proportional to speed
+    times = np.asarray(t, dtype=np.float64)
+    total_speed = sum(1.0 / v for v in t)  # Python's sum, in rank order: the tie-break's exact numbers
     even_units = -(-units // world)  # the even share, rounded up to whole quanta
     cap = units if max_share is None else max(even_units, int(max_share * global_batch / world) // quantum)
-    most = [c if c is not None else global_batch for c in (caps or [None] * world)]  # samples
-    limit = [max(1, min(cap, c // quantum)) for c in most]
-    if sum(limit) < units:
+    most = [c if c is not None else global_batch for c in caps] if caps else None  # samples
+    limit = (
+        np.full(world, max(1, min(cap, global_batch // quantum)), dtype=np.int64)
+        if most is None
+        else np.asarray([max(1, min(cap, c // quantum)) for c in most], dtype=np.int64)
+    )
+    if int(limit.sum()) < units:
         raise ValueError(
             f"the caps {list(caps or [])} do not hold {global_batch} samples in quanta of {quantum}"
         )
 
     def key(r: int, count: int) -> tuple[float, float, int]:
-        return (t[r] * (count + 1) * quantum, count - ideal[r], r)
+        # units proportional to speed: how far below that share the rank is breaks ties
+        return (t[r] * (count + 1) * quantum, count - units * (1.0 / t[r]) / total_speed, r)
 
     # The greedy pops the units - W smallest keys of all ranks (each rank's keys grow with its
     # count). Every key whose compute is below a bound T precedes every other key, so the ranks'
-    # counts below the largest T that leaves at most units - W keys under it are taken at once
-    # (vectorized, with the keys' own arithmetic), and the heap hands out only the rest: a few per
-    # rank instead of units - W pops (0.1 s per window at 8,192 ranks). The same split.
-    count = _counts_below(t, limit, quantum, units - world)
-    heap = [key(r, count[r]) for r in range(world) if count[r] < limit[r]]
-    heapq.heapify(heap)
-    for _ in range(units - sum(count)):
-        r = heapq.heappop(heap)[2]
-        count[r] += 1
-        if count[r] < limit[r]:  # a rank at its cap takes no more
-            heapq.heappush(heap, key(r, count[r]))
-    shares = [c * quantum for c in count]
+    # counts below a T that leaves at most units - W keys under it are taken at once (vectorized,
+    # with the keys' own arithmetic), and the heap hands out only the rest (0.1 s per window at
+    # 8,192 ranks as one pop per quantum). Only ranks whose next key is among the ``left`` smallest
+    # can be popped in ``left`` pops (until then one of those keys is still waiting, and it is
+    # smaller), so only they enter the heap. The same split.
+    count = _counts_below(times, limit, quantum, units - world)
+    left = units - int(count.sum())
+    if left:
+        open_ = np.flatnonzero(count < limit)  # a rank at its cap takes no more
+        nxt = times[open_] * (count[open_] + 1) * quantum
+        if len(open_) > left:
+            open_ = open_[nxt <= np.partition(nxt, left - 1)[left - 1]]
+        heap = [key(int(r), int(count[r])) for r in open_]
+        heapq.heapify(heap)
+        for _ in range(left):
+            r = heapq.heappop(heap)[2]
+            count[r] += 1
+            if count[r] < limit[r]:
+                heapq.heappush(heap, key(r, int(count[r])))
+    shares = count * quantum
     if rest:
-        room = [i for i in range(world) if shares[i] + rest <= most[i]]
-        r = min(room or range(world), key=lambda i: (t[i] * (shares[i] + rest), i))
+        room = [i for i in range(world) if most is None or shares[i] + rest <= most[i]]
+        r = min(room or range(world), key=lambda i: (t[i] * int(shares[i] + rest), i))
         shares[r] += rest
-    return tuple(shares), max(t[r] * shares[r] for r in range(world))
+    return tuple(shares.tolist()), float((times * shares).max())
 
 
-def _counts_below(t: Sequence[float], limit: Sequence[int], quantum: int, extra: int) -> list[int]:
+#: the bisection stops once at most this many keys are left to the heap
+_HEAP_KEYS = 16
+
+
+def _counts_below(times: np.ndarray, limit: np.ndarray, quantum: int, extra: int) -> np.ndarray:
     """Each rank's count (at least 1, at most its limit) once every key ``t[r] * (count + 1) *
-    quantum`` below the largest bound that leaves at most ``extra`` such keys has been taken."""
-    times = np.asarray(t, dtype=np.float64)
-    most = np.asarray(limit, dtype=np.int64) - 1  # keys a rank has: counts 1 .. limit - 1
+    quantum`` below a bound that leaves at most ``extra`` such keys has been taken: the bound a
+    short bisection reaches from the keys' continuous estimate (any such bound gives the same
+    split; the closer it comes to the largest, the fewer keys the heap hands out after it)."""
+    most = limit - 1  # keys a rank has: counts 1 .. limit - 1
 
     def taken(bound: float) -> np.ndarray:
         # keys c = 1 .. most with t * (c + 1) * quantum < bound, counted with the key's own rounding
@@ -275,13 +292,27 @@ def _counts_below(t: Sequence[float], limit: Sequence[int], quantum: int, extra:
         return guess
 
     lo, hi = 0.0, float(np.max(times * (most + 1) * quantum)) + 1.0
-    for _ in range(64):  # the largest bound with at most ``extra`` keys below it
+    # Without caps, a rank has about bound / (t * quantum) - 1 keys below a bound: start the bracket
+    # at the bound where those add up to ``extra`` (within a key per rank), widened until it holds
+    # the answer; caps only make the bracket's first guesses wrong, not the result.
+    rate = float(np.sum(1.0 / (times * quantum)))
+    width = 2.0 * len(times) / rate
+    start = (extra + len(times)) / rate - width
+    below = 0
+    if start > 0.0 and (n := int(taken(start).sum())) <= extra:
+        lo, below = start, n
+        while lo + width < hi and (n := int(taken(lo + width).sum())) <= extra:
+            lo, below, width = lo + width, n, 2.0 * width
+        hi = min(hi, lo + width)
+    for _ in range(64):  # bisect towards the largest bound with at most ``extra`` keys below it
         mid = (lo + hi) / 2
-        if int(taken(mid).sum()) <= extra:
-            lo = mid
+        if extra - below <= _HEAP_KEYS or not lo < mid < hi:
+            break
+        if (n := int(taken(mid).sum())) <= extra:
+            lo, below = mid, n
         else:
             hi = mid
-    return [1 + int(n) for n in taken(lo)]
+    return 1 + taken(lo)
 
 
 def first_boundary(window_last_step: int, every_steps: int, not_before: int) -> int:

@@ -34,31 +34,36 @@ class StepSummarizer:
         the leads' band are kept. For a writer whose per-rank columns come from ``g`` itself (the
         columnar record) and tags that are not per rank (above ``per_rank_tag_limit``)."""
 
-        def column(f: Field) -> torch.Tensor:
-            # [steps, ranks], contiguous: a reduction over a strided [ranks, steps] view of the window
-            # costs several times more at thousands of ranks
-            return g[:, :, f].T.contiguous()
+        # Reductions over the ranks (dim 0) of each field's view: with the exchange's field-major
+        # window (:func:`~pace_strategy.core.comm.field_major`) no field is copied to reduce it.
+        def field(f: Field) -> torch.Tensor:
+            return g[:, :, f]  # [ranks, steps]
 
-        wait = column(Field.WAIT_MS)
-        lead = glossary.lead_ms(wait, rank_axis=1)
-        # the median as ``sorted(leads)[W // 2]`` (the upper one of an even count), without a sort
-        median = lead.kthvalue(g.shape[0] // 2 + 1, dim=1).values
-        band = torch.stack((median, lead.amin(dim=1), lead.amax(dim=1)), dim=1).tolist()
-        gc_max = column(Field.GC_MS).amax(dim=1).tolist()
+        def high(f: Field) -> torch.Tensor:
+            return g[:, :, f].amax(dim=0)  # [steps]
+
+        wait = field(Field.WAIT_MS)
+        transfer = glossary.transfer_ms(wait, rank_axis=0)
+        wait_max = high(Field.WAIT_MS)
+        # The leads' band without the [ranks, steps] leads: a lead is wait - min(wait), monotone in
+        # the wait, so the lead of the median (smallest, largest) wait is the median (smallest,
+        # largest) lead. The median as ``sorted(leads)[W // 2]`` (the upper one of an even count).
+        median = wait.T.contiguous().kthvalue(g.shape[0] // 2 + 1, dim=1).values
+        band = torch.stack((median - transfer, transfer - transfer, wait_max - transfer), dim=1).tolist()
+        gc_max = high(Field.GC_MS).tolist()
         # Columns become Python lists once: per-element tensor indexing would cost ~100 us per step.
-        columns = {f: g[:, :, f].T.tolist() for f in Field} if per_rank else {}
-        leads = lead.tolist() if per_rank else []
+        columns = {f: field(f).T.tolist() for f in Field} if per_rank else {}
+        leads = glossary.lead_ms(wait, rank_axis=0).T.tolist() if per_rank else []
         steps = g[0, :, Field.STEP].tolist()
-        skew = glossary.skew_ms(wait, rank_axis=1).tolist()
-        transfer = glossary.transfer_ms(wait, rank_axis=1).tolist()
-        wait_max = wait.amax(dim=1).tolist()
-        valid = (column(Field.VALID) > 0).all(dim=1).tolist()
-        warm = (column(Field.WARMUP) > 0).any(dim=1).tolist()
-        straggler = glossary.straggler_rank(wait, rank_axis=1).tolist()
-        compute_straggler = column(Field.COMPUTE_MS).argmax(dim=1).tolist()
-        step_ms = column(Field.STEP_MS).amax(dim=1).tolist()
-        delay_max = column(Field.DELAY_MS).amax(dim=1).tolist()
-        buckets = column(Field.BUCKETS).amax(dim=1).tolist()
+        skew = glossary.skew_ms(wait, rank_axis=0).tolist()
+        valid = (field(Field.VALID).amin(dim=0) > 0).tolist()
+        warm = (high(Field.WARMUP) > 0).tolist()
+        straggler = glossary.straggler_rank(wait, rank_axis=0).tolist()
+        compute_straggler = field(Field.COMPUTE_MS).argmax(dim=0).tolist()
+        step_ms = high(Field.STEP_MS).tolist()
+        delay_max = high(Field.DELAY_MS).tolist()
+        buckets = high(Field.BUCKETS).tolist()
+        wait_min, wait_top = transfer.tolist(), wait_max.tolist()
         out = []
         for i in range(g.shape[1]):
             if valid[i] and not warm[i]:
@@ -74,8 +79,8 @@ class StepSummarizer:
                     compute_straggler_rank=int(compute_straggler[i]),
                     step_ms=step_ms[i],
                     step_cv=self._cv.value(),
-                    wait_ms_min=transfer[i],
-                    wait_ms_max=wait_max[i],
+                    wait_ms_min=wait_min[i],
+                    wait_ms_max=wait_top[i],
                     delay_ms_max=delay_max[i],
                     pacing_active=delay_max[i] > 0.0,
                     buckets=int(buckets[i]),

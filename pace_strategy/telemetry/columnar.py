@@ -147,19 +147,21 @@ class RankColumnsWriter:
         window = g.numpy()
         if window.shape[1] == 0:
             return
-        lead = glossary.lead_ms(window[:, :, Field.WAIT_MS], rank_axis=0)
-        mine = list(self.ranks)
+        # Only this file's ranks are copied (a node leader's shard: its node of thousands); the
+        # leads' reference, the step's smallest wait, is over every rank.
+        transfer = glossary.transfer_ms(g[:, :, Field.WAIT_MS], rank_axis=0).numpy()
+        mine = window[list(self.ranks)]  # [these ranks, steps, fields]
 
         def column(values: np.ndarray) -> np.ndarray:  # [ranks, steps] -> step-major [steps, ranks]
-            return np.ascontiguousarray(values[mine].T)
+            return np.ascontiguousarray(values.T)
 
-        columns: dict[str, Any] = {"lead_ms": column(lead)}
+        columns: dict[str, Any] = {"lead_ms": column(mine[:, :, Field.WAIT_MS] - transfer)}
         fields = {"compute_ms": Field.COMPUTE_MS, "wait_ms": Field.WAIT_MS, "delay_ms": Field.DELAY_MS,
                   "step_ms": Field.STEP_MS, "data_ms": Field.DATA_MS, "gap_ms": Field.GAP_MS,
                   "gc_ms": Field.GC_MS, "opt_ms": Field.OPT_MS, "gc_collections": Field.GC_COLLECTIONS,
                   "samples": Field.SAMPLES, "host_bound": Field.HOST_BOUND}  # fmt: skip
         for name, f in fields.items():
-            columns[name] = column(window[:, :, f])
+            columns[name] = column(mine[:, :, f])
         self.write_rows(window[0, :, Field.STEP].astype(np.int64).tolist(), columns)
 
     def write_rows(self, steps: Sequence[int], columns: dict[str, Any]) -> None:
