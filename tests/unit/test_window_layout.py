@@ -11,6 +11,7 @@ from pace_strategy.core.config import PacingConfig, RebalanceConfig
 from pace_strategy.core.pacer import Pacer
 from pace_strategy.core.records import NUM_FIELDS, Field
 from pace_strategy.core.shares import ShareSchedule
+from pace_strategy.core.skew import kth_smallest
 from pace_strategy.core.summary import StepSummarizer
 
 
@@ -104,3 +105,15 @@ def _same_stats(a, b) -> bool:
         and torch.equal(a.pacable_lead_ms, b.pacable_lead_ms)
         and a.straggler_counts == b.straggler_counts
     )
+
+
+def test_kth_smallest_is_torchs_median_and_kthvalue():
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3, 8, 31, 32, 33):
+        x = torch.randint(0, 5, (200, n), generator=g).double()  # ties
+        x[3, 0] = float("nan")
+        clean = ~x.isnan().any(dim=1)
+        median, got = x.median(dim=1).values, kth_smallest(x, (n - 1) // 2)
+        assert torch.equal(got.isnan(), median.isnan()) and torch.equal(got[clean], median[clean])
+        upper, got = x.kthvalue(n // 2 + 1, dim=1).values, kth_smallest(x, n // 2)
+        assert torch.equal(got[clean], upper[clean]) and bool(got[~clean].isnan().all())
