@@ -734,7 +734,8 @@ class Pacer:
     def _decide(self, gathered: torch.Tensor) -> WindowResult:
         """Check one gathered window and let the controllers decide (identically on every rank)."""
         labels = gathered[:, :, Field.STEP]
-        if not bool((labels == labels[0:1]).all()):
+        # every rank's labels equal rank 0's: by their extremes over the ranks (a NaN fails both)
+        if not (torch.equal(labels.amin(dim=0), labels[0]) and torch.equal(labels.amax(dim=0), labels[0])):
             raise PaceDistributedError(
                 self.rank,
                 self.world_size,

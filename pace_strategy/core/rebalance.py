@@ -48,7 +48,7 @@ from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.policy import ab_gain_needed_ms, ab_noise_ms, next_cooldown_windows
 from pace_strategy.core.records import Field
 from pace_strategy.core.shares import even_shares
-from pace_strategy.core.skew import usable_field
+from pace_strategy.core.skew import usable_field, usable_steps
 from pace_strategy.core.state import STATE_VERSION, PacingStateError, check_state
 
 __all__ = [
@@ -153,7 +153,7 @@ def measure_window(gathered: torch.Tensor, global_batch: int) -> WindowMeasure |
     of global batches (one per micro-batch with gradient accumulation; an epoch's short last batch is
     left out). Returns the reason in words when no step is usable.
     """
-    valid = (gathered[:, :, Field.VALID] > 0).all(dim=0) & (gathered[:, :, Field.WARMUP] == 0).all(dim=0)
+    valid = usable_steps(gathered)
     if not bool(valid.any()):
         return "no usable steps in the window (warm-up or sync point not seen)"
     samples = gathered[:, :, Field.SAMPLES]
