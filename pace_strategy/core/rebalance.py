@@ -182,7 +182,7 @@ def measure_window(gathered: torch.Tensor, global_batch: int) -> WindowMeasure |
     return WindowMeasure(
         first_step=int(labels[0]),
         last_step=int(labels[-1]),
-        shares=tuple(int(v) for v in n[:, 0].tolist()),
+        shares=tuple(n[:, 0].long().tolist()),  # truncated as int() would: whole samples
         uniform=bool((n == n[:, :1]).all()) and bool((batches == batches[0]).all()),
         batches=int(batches[0]),
         compute_ms=tuple(compute.mean(dim=1).tolist()),
@@ -325,12 +325,30 @@ def first_boundary(window_last_step: int, every_steps: int, not_before: int) -> 
 
 
 def _median_each(rows: Sequence[Sequence[float]]) -> tuple[float, ...]:
-    """Per-rank median over several windows' per-rank values."""
-    return tuple(statistics.median(col) for col in zip(*rows, strict=True))
+    """Per-rank median over several windows' per-rank values (``statistics.median`` of each rank's:
+    the middle value, or the mean of the two middle ones)."""
+    return tuple(np.median(np.asarray(rows, dtype=np.float64), axis=0).tolist())
+
+
+#: above this many ranks a reason names the per-rank values' range, not every value (at 8,192 ranks
+#: the lists made each reason 100 KB, and formatting them took a third of the decision's time; the
+#: splits themselves are in the record's ``shares`` lines)
+_LISTED_RANKS = 64
 
 
 def _ms(values: Sequence[float]) -> str:
+    if len(values) > _LISTED_RANKS:
+        slowest = max(range(len(values)), key=values.__getitem__)
+        return f"[{len(values):,} ranks: {min(values):.3g}-{values[slowest]:.3g}, the most on rank {slowest}]"
     return "[" + ", ".join(f"{v:.3g}" for v in values) + "]"
+
+
+def _split(shares: Sequence[int]) -> str:
+    """A split in a reason: every rank's samples, or their range above :data:`_LISTED_RANKS`."""
+    if len(shares) > _LISTED_RANKS:
+        fewest = min(range(len(shares)), key=shares.__getitem__)
+        return f"[{len(shares):,} ranks: {shares[fewest]}-{max(shares)} samples, the fewest on rank {fewest}]"
+    return str(list(shares))
 
 
 class RebalancePolicy:
@@ -393,7 +411,7 @@ class RebalancePolicy:
         """Adopt a split that someone else scheduled (the schedule's latest entry, when it is not this
         controller's): its windows are measured from then on, any trial is dropped. Returns whether
         it was new."""
-        shares = tuple(int(n) for n in shares)
+        shares = tuple(map(int, shares))
         if (from_step, shares) == (self._since, self._shares):
             return False
         self._shares, self._previous, self._since = shares, shares, from_step
@@ -410,14 +428,14 @@ class RebalancePolicy:
         if isinstance(m, str):
             return self._keep(window, f"{m}: split unchanged")
         if m.first_step < self._since:  # the window ran (at least partly) before the split took over
-            return self._keep(window, f"waiting for the split {list(self._shares)} from step {self._since}")
+            return self._keep(window, f"waiting for the split {_split(self._shares)} from step {self._since}")
         if not m.uniform or m.shares != self._shares:
             self._streak, self._trial = [], []
             return self._set(
                 window,
                 RebalanceState.OFF,
-                f"steps {m.first_step}..{m.last_step} trained on {list(m.shares)} samples per rank"
-                f"{'' if m.uniform else ' and other splits'} where the schedule says {list(self._shares)}: "
+                f"steps {m.first_step}..{m.last_step} trained on {_split(m.shares)} samples per rank"
+                f"{'' if m.uniform else ' and other splits'} where the schedule says {_split(self._shares)}: "
                 "the data pipeline does not follow the share schedule; rebalancing is off for this run",
                 m,
             )
@@ -437,8 +455,8 @@ class RebalancePolicy:
             m.per_sample_ms, m.compute_ms, m.wait_ms, m.batches, m.mem_peak
         )
         note = (
-            f"mean per-sample compute {_ms(m.per_sample_ms)} ms at {list(self._shares)}; best split "
-            f"{list(shares)} saves {saving:.2f} of {m.step_ms:.2f} ms{memory}"
+            f"mean per-sample compute {_ms(m.per_sample_ms)} ms at {_split(self._shares)}; best split "
+            f"{_split(shares)} saves {saving:.2f} of {m.step_ms:.2f} ms{memory}"
         )
         if shares == self._shares or saving < cfg.rebalance.min_imbalance * m.step_ms:
             self._streak = []
@@ -469,7 +487,8 @@ class RebalancePolicy:
             window,
             RebalanceState.TRIAL,
             f"imbalanced for {cfg.rebalance.persist_windows} windows (mean per-sample compute "
-            f"{_ms(per_sample)} ms): split {list(self._previous)} -> {list(shares)} from step {from_step}, "
+            f"{_ms(per_sample)} ms): split {_split(self._previous)} -> {_split(shares)} from step "
+            f"{from_step}, "
             f"predicted to save {saving:.2f} ms of {step_ms:.2f}{memory}; A/B trial against "
             f"{self._baseline_ms:.2f} ms",
             m,
@@ -511,9 +530,10 @@ class RebalancePolicy:
                     f"{self._shares[r]}; {free[r]} would reach {mem_peak[r] * free[r] / self._shares[r]:.0%})"
                     for r in held
                 )
-        by_compute = max(compute_ms) - slowest_ms * batches  # a step trains ``batches`` such splits
-        change = [per_sample_ms[r] * shares[r] * batches - compute_ms[r] for r in range(self.world_size)]
-        by_arrival = -min(wait_ms) - max(change[r] - wait_ms[r] for r in range(self.world_size))
+        compute, wait = np.asarray(compute_ms, dtype=np.float64), np.asarray(wait_ms, dtype=np.float64)
+        by_compute = float(compute.max()) - slowest_ms * batches  # a step trains ``batches`` such splits
+        change = np.asarray(per_sample_ms, dtype=np.float64) * np.asarray(shares) * batches - compute
+        by_arrival = -float(wait.min()) - float((change - wait).max())
         return shares, min(by_compute, by_arrival), memory
 
     def _update_trial(self, window: int, m: WindowMeasure, from_step: int) -> RebalanceDecision:
@@ -573,8 +593,8 @@ class RebalancePolicy:
         return self._set(
             window,
             RebalanceState.WATCH,
-            f"A/B: step {trial_ms:.2f} ms at {list(self._shares)} vs {base:.2f} ms at "
-            f"{list(self._previous)} ({trial_ms / base - 1:+.2%}) at the same global batch of "
+            f"A/B: step {trial_ms:.2f} ms at {_split(self._shares)} vs {base:.2f} ms at "
+            f"{_split(self._previous)} ({trial_ms / base - 1:+.2%}) at the same global batch of "
             f"{self.global_batch}: kept",
             m,
             trial_ms=trial_ms,
@@ -609,7 +629,7 @@ class RebalancePolicy:
         return self._set(
             window,
             RebalanceState.COOLDOWN,
-            f"{why}: split {list(tried)} reverted to {list(self._shares)} from step {from_step}; "
+            f"{why}: split {_split(tried)} reverted to {_split(self._shares)} from step {from_step}; "
             f"cool-down of {self._cooldown_len} windows (reverted trial {self._failed} in a row)",
             m,
             from_step=from_step,

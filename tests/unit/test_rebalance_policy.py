@@ -619,3 +619,14 @@ def test_the_memory_peak_survives_a_state_round_trip():
     restored = RebalancePolicy(CFG, 64, 2)
     restored.load_state_dict(policy.state_dict())
     assert [w.mem_peak for w in restored._streak] == [(0.5, 0.5)]
+
+
+def test_a_reason_names_every_rank_up_to_64_and_the_range_above():
+    from pace_strategy.core.rebalance import _ms, _split
+
+    assert _split([8, 9, 7]) == "[8, 9, 7]" and _ms([1.0, 2.5]) == "[1, 2.5]"
+    shares = [32] * 99 + [20]
+    assert _split(shares) == "[100 ranks: 20-32 samples, the fewest on rank 99]"
+    per_sample = [1.0] * 8192
+    per_sample[4096] = 1.75
+    assert _ms(per_sample) == "[8,192 ranks: 1-1.75, the most on rank 4096]"
