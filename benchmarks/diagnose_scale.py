@@ -171,7 +171,7 @@ def measure(path: Path, out: Path) -> dict[str, float | str | None]:
     process held before (MB)."""
     before = _reset_peak()
     t0 = time.perf_counter()
-    arrays = load_arrays(path)
+    arrays = load_arrays(path, rank_step=False)  # as pace diagnose loads it
     t1 = time.perf_counter()
     load_peak = _peak_mb()
     _reset_peak()

@@ -320,7 +320,7 @@ def _report(args: argparse.Namespace, trainer: Any, elapsed_s: float) -> None:
         from pace_strategy.diagnose import DiagnosisConfig, diagnose, load_arrays
         from pace_strategy.diagnose.report import render_report
 
-        arrays = load_arrays(record_path)
+        arrays = load_arrays(record_path, rank_step=False)
         diagnosis = diagnose(arrays)
         report = render_report(arrays, diagnosis, log_dir / "pace_report", DiagnosisConfig())
         print(f"\n  diagnosis: {diagnosis.summary}")

@@ -125,7 +125,9 @@ def _diagnose(
     from pace_strategy.diagnose.findings import diagnose
     from pace_strategy.telemetry.arrays import load_timeline, timeline_records
 
-    arrays = load_timeline(timeline_records([run_dirs] if isinstance(run_dirs, str) else run_dirs))
+    arrays = load_timeline(
+        timeline_records([run_dirs] if isinstance(run_dirs, str) else run_dirs), rank_step=False
+    )
     return arrays, diagnose(arrays, cfg, project_ranks=ranks)
 
 

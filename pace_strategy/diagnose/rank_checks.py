@@ -185,8 +185,9 @@ def persistent_or_late_start(run: RunStats, explained: set[int]) -> list[Finding
         late_steps = run.late_ms([r], mask)
         weights = np.clip(late_steps, 0.0, None)
         compute_excess = run.a.compute[mask, r] - run.others_median(run.a.compute, [r], mask)
-        own_excess = run.own_between[mask, r] - run.others_median(run.own_between, [r], mask)
-        loop_excess = run.loop[mask, r] - run.others_median(run.loop, [r], mask)
+        own_between, loop = run.between_steps(mask)
+        own_excess = own_between[:, r] - run.others_median(own_between, [r])
+        loop_excess = loop[:, r] - run.others_median(loop, [r])
         loss_share = float(run.lost_per_step[mask].sum()) / total_lost if total_lost > 0 else 0.0
         median_late, weighted_late = float(np.median(late_steps)), _weighted(late_steps, weights)
         steady = (

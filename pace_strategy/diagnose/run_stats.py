@@ -75,6 +75,9 @@ GROWTH_SAMPLE_STEPS = 5000
 
 GROWTH_SEED = 0
 
+#: steps a run-wide [steps, ranks] intermediate is computed over at a time (4,096 x 1,024 ranks: 32 MB)
+_ROWS = 4096
+
 EPSILON = 1e-9  #: keeps ratios finite where a denominator (ms or share) is zero
 
 #: a straggler whose median lateness is at least this fraction of its wait-weighted mean lateness is
@@ -91,12 +94,19 @@ class RunStats:
         self.S = a.steps
         w = a.wait
         self.transfer = transfer_ms(w, RANK_AXIS)
-        self.lead = lead_ms(w, RANK_AXIS)
         self.straggler = straggler_rank(w, RANK_AXIS)
         self.counts = np.bincount(self.straggler, minlength=self.W)
         self.share = self.counts / max(self.S, 1)
         self.median_wait = np.median(w, axis=1)
-        self.lost_per_step = self.lead.mean(axis=1)
+        #: [S] the ranks' mean lead: what the step lost waiting. Rows at a time: the [S, W] leads are
+        #: never held whole (a row's mean is the same whichever rows it is computed with)
+        self.lost_per_step = (
+            np.concatenate(
+                [lead_ms(w[i : i + _ROWS], RANK_AXIS).mean(axis=1) for i in range(0, self.S, _ROWS)]
+            )
+            if self.S
+            else np.zeros(0)
+        )
         self.total_step = float(a.step_ms.sum())
         self.median_step = float(np.median(a.step_ms))
         self.skew = skew_ms(w, RANK_AXIS)
@@ -125,14 +135,18 @@ class RunStats:
         # and the framework's loop between steps, where a framework may run a collective of its own
         # (Lightning broadcasts from rank 0 every step): the one part a slower network path can make
         # late. Records without ``opt_ms`` count the whole gap beyond the input as that loop.
-        if a.opt is not None and self.S:
-            opt_prev = np.vstack([a.opt[:1], a.opt[:-1]])
-        else:
-            opt_prev = np.zeros_like(a.gap)
-        #: [S, ranks] the rank's own work between steps: its previous optimizer step and its input
-        self.own_between = opt_prev + a.data
-        #: [S, ranks] the rest of the gap: the framework's loop between steps and its collectives
-        self.loop = np.clip(a.gap - self.own_between, 0.0, None)
+        # (:meth:`between_steps`: for the steps a check reads, not [S, W] arrays of the whole run.)
+
+    def between_steps(self, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """On the masked steps (``[S]`` bool), ``[steps, ranks]``: each rank's own work between steps
+        (its previous optimizer step and its input), and the rest of the gap (the framework's loop
+        between steps and its collectives)."""
+        rows = np.nonzero(mask)[0]
+        a = self.a
+        # the optimizer step of the step before (the first step's own for step 0: none came before)
+        opt_prev = a.opt[np.maximum(rows - 1, 0)] if a.opt is not None else np.zeros((len(rows), self.W))
+        own = opt_prev + a.data[rows]
+        return own, np.clip(a.gap[rows] - own, 0.0, None)
 
     def others_median(self, x: np.ndarray, ranks: list[int], mask: np.ndarray | None = None) -> np.ndarray:
         """Per step (per masked step, with ``mask``), the median of ``x`` over the ranks not in

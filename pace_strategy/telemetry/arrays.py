@@ -27,7 +27,10 @@ __all__ = ["RANK_AXIS", "RunArrays", "find_run_record", "load_arrays", "load_tim
 #: per-rank arrays are ``[steps, ranks]``: the axis the glossary functions reduce over
 RANK_AXIS = 1
 
-_RANK_FIELDS = ("wait_ms", "compute_ms", "delay_ms", "data_ms", "gap_ms", "step_ms")
+_RANK_FIELDS = ("wait_ms", "compute_ms", "delay_ms", "data_ms", "gap_ms")
+#: each rank's own step time: no check of the diagnosis reads it (the step's time is the slowest
+#: rank's, ``step_ms``), so it is loaded only on request (``rank_step=True``)
+_RANK_STEP = "step_ms"
 #: per-rank fields that later records add: loaded when every kept step has them, else left ``None``
 _OPTIONAL_RANK_FIELDS = ("gc_ms", "gc_collections", "samples", "opt_ms")
 
@@ -47,10 +50,11 @@ class RunArrays:
     delay: np.ndarray
     data: np.ndarray
     gap: np.ndarray
-    rank_step: np.ndarray
     step_ms: np.ndarray  #: [S] slowest rank's step time
     pacing_active: np.ndarray  #: [S] bool
     decisions: list[dict[str, Any]]
+    #: [S, ranks] each rank's own step time; None: not loaded (:func:`load_arrays`'s ``rank_step``)
+    rank_step: np.ndarray | None = None
     gc_ms: np.ndarray | None = None  #: [S, ranks] time in the garbage collector; None: not recorded
     gc_collections: np.ndarray | None = None  #: [S, ranks] collections per step; None: not recorded
     #: [S, ranks] samples each rank trained on (0: not reported); None: not recorded
@@ -190,8 +194,12 @@ def _line_count(p: Path) -> int:
     return count
 
 
-def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
-    """Load a run record (file or directory) into arrays; tolerates a truncated last line."""
+def load_arrays(path: str | os.PathLike[str], *, rank_step: bool = True) -> RunArrays:
+    """Load a run record (file or directory) into arrays; tolerates a truncated last line.
+
+    ``rank_step=False``: leave each rank's own step time out (``RunArrays.rank_step`` is ``None``):
+    nothing of the diagnosis reads it, and it is one of the [steps, ranks] arrays (819 MB at 100k
+    steps x 1,024 ranks)."""
     p = find_run_record(path)
     objs = iter_run_record(p)
     header = next(objs)
@@ -200,7 +208,8 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
     # the per-rank fields come from the columnar file, when the record has one: no JSON lists here
     capacity = _line_count(p) if columnar is None else 0
     kept: list[int] = []  # with a columnar file: the indices of the kept steps among all step lines
-    cols = {k: _Column(world, capacity) for k in _RANK_FIELDS + _OPTIONAL_RANK_FIELDS}
+    wanted = _RANK_FIELDS + ((_RANK_STEP,) if rank_step else ()) + _OPTIONAL_RANK_FIELDS
+    cols = {k: _Column(world, capacity) for k in wanted}
     host_bound = _Column(world, capacity, bool)
     every_rank_bound = [True] * world
     steps, step_ms, active = [], [], []
@@ -225,6 +234,8 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
             ranks = obj["ranks"]
             for k in _RANK_FIELDS:
                 cols[k].add(ranks[k])
+            if rank_step:
+                cols[_RANK_STEP].add(ranks[_RANK_STEP])
             for k in _OPTIONAL_RANK_FIELDS:
                 if k in ranks:
                     cols[k].add(ranks[k])
@@ -244,7 +255,7 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
 
     loaded: dict[str, np.ndarray] = {}
     if columnar is not None:
-        loaded, rows = _kept_rank_columns(p.parent, columnar, world, kept, steps)
+        loaded, rows = _kept_rank_columns(p.parent, columnar, world, kept, steps, wanted)
         if rows < len(steps):  # steps whose rows were never written (a crash between the two files)
             truncated = True
             steps, step_ms, active = steps[:rows], step_ms[:rows], active[:rows]
@@ -272,7 +283,7 @@ def load_arrays(path: str | os.PathLike[str]) -> RunArrays:
         delay=arr("delay_ms"),
         data=arr("data_ms"),
         gap=arr("gap_ms"),
-        rank_step=arr("step_ms"),
+        rank_step=arr(_RANK_STEP) if rank_step else None,
         step_ms=np.asarray(step_ms, dtype=np.float64),
         pacing_active=np.asarray(active, dtype=bool),
         decisions=decisions,
@@ -304,13 +315,14 @@ def _kept_rank_columns(
     world: int,
     kept: Sequence[int],
     labels: Sequence[int],
+    fields: Sequence[str],
 ) -> tuple[dict[str, np.ndarray], int]:
     """The per-rank arrays of the kept steps (``kept``: their indices among the record's step lines,
     ``labels``: their step labels) from a columnar file, as the JSON lines would give them, and how
-    many of the kept steps it has rows for."""
+    many of the kept steps it has rows for; only ``fields`` (and ``host_bound``) are read."""
     from pace_strategy.telemetry.columnar import RankColumnsError, read_shards
 
-    names = (*_RANK_FIELDS, *_OPTIONAL_RANK_FIELDS, "host_bound")
+    names = (*fields, "host_bound")
     index = np.asarray(kept, dtype=np.int64)
     try:
         columns, written, _ = read_shards(directory, shards, world, names, keep=index)
@@ -353,7 +365,7 @@ def _created(path: Path) -> tuple[float, str]:
     return (float(created) if isinstance(created, (int, float)) else 0.0, str(path))
 
 
-def load_timeline(records: Sequence[str | os.PathLike[str]]) -> RunArrays:
+def load_timeline(records: Sequence[str | os.PathLike[str]], *, rank_step: bool = True) -> RunArrays:
     """Several records of one run (a run, then its resumptions from checkpoints) as one
     :class:`RunArrays`, oldest first (by the header's creation time): their steps one after another.
 
@@ -362,7 +374,7 @@ def load_timeline(records: Sequence[str | os.PathLike[str]]) -> RunArrays:
     where each record begins and how it ended. One record: :func:`load_arrays`.
     """
     paths = sorted((find_run_record(r) for r in records), key=_created)
-    parts = [load_arrays(p) for p in paths]
+    parts = [load_arrays(p, rank_step=rank_step) for p in paths]
     if len(parts) == 1:
         return parts[0]
     worlds = {a.world_size for a in parts}
@@ -408,7 +420,7 @@ def load_timeline(records: Sequence[str | os.PathLike[str]]) -> RunArrays:
         delay=cat("delay"),
         data=cat("data"),
         gap=cat("gap"),
-        rank_step=cat("rank_step"),
+        rank_step=cat_optional("rank_step"),
         step_ms=cat("step_ms"),
         pacing_active=cat("pacing_active"),
         decisions=[d for a in parts for d in a.decisions],
