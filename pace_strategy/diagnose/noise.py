@@ -76,8 +76,12 @@ def jitter_floor(wait: np.ndarray, step_ms: np.ndarray) -> JitterFloor:
         w = wait[rows]
     else:
         w = wait
+    # In place where the values allow: at 20,000 sampled steps x 8,192 ranks every [steps, ranks]
+    # temporary is 1.3 GB (and, first touched, slow to page in); the numbers are the same.
     late = w.mean(axis=RANK_AXIS, keepdims=True) - w
-    residual = late - np.median(late, axis=0, keepdims=True)
-    mad = float(np.median(np.abs(residual - np.median(residual))))
+    # each rank's median over the steps, from one contiguous copy of the ranks' columns
+    late -= np.median(np.ascontiguousarray(late.T), axis=1, overwrite_input=True)[None, :]
+    late -= np.median(late)  # the residuals about their own median
+    mad = float(np.median(np.abs(late, out=late), overwrite_input=True))
     sigma = _MAD_TO_SD * mad * math.sqrt(ranks / (ranks - 1))
     return JitterFloor(ranks, sigma, sigma * expected_max_normal(ranks), float(step_ms.mean()))

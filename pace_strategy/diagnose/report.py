@@ -55,7 +55,6 @@ def _figures(a: RunArrays, cfg: DiagnosisConfig, diagnosis: Diagnosis) -> dict[s
     steps = a.step
     transfer = transfer_ms(a.wait, RANK_AXIS)
     skew = skew_ms(a.wait, RANK_AXIS)
-    lead = lead_ms(a.wait, RANK_AXIS)
 
     def save(name: str, fig: Any) -> None:
         buf = io.BytesIO()
@@ -79,14 +78,19 @@ def _figures(a: RunArrays, cfg: DiagnosisConfig, diagnosis: Diagnosis) -> dict[s
     nodes = [str(n) for n in a.topology("node_rank")]
     local = [x if x is not None else r for r, x in enumerate(a.topology("local_rank"))]
     order = sorted(range(a.world_size), key=lambda r: (nodes[r], local[r], r))
-    matrix = lead[:, order]
     labels = [f"r{r}" for r in order]
     if a.world_size > cfg.max_heatmap_rows:
         groups: dict[str, list[int]] = {}
-        for col, r in enumerate(order):
-            groups.setdefault(nodes[r], []).append(col)
-        matrix = np.stack([matrix[:, cols].mean(axis=1) for cols in groups.values()], axis=1)
+        for r in order:
+            groups.setdefault(nodes[r], []).append(r)
+        # each node's mean lead from its own ranks' waits: no [steps, ranks] leads for the whole run
+        # (the same numbers: a lead is the wait less the step's smallest wait)
+        matrix = np.stack(
+            [(a.wait[:, ranks] - transfer[:, None]).mean(axis=1) for ranks in groups.values()], axis=1
+        )
         labels = [f"node {n}" for n in groups]
+    else:
+        matrix = lead_ms(a.wait, RANK_AXIS)[:, order]
     _, binned = _bin_steps(matrix, cfg.max_heatmap_columns)
     fig, ax = plt.subplots(figsize=(9, max(2.5, min(8.0, 0.25 * len(labels) + 1.5))))
     im = ax.imshow(binned.T, aspect="auto", interpolation="nearest", cmap="viridis")

@@ -85,6 +85,18 @@ EPSILON = 1e-9  #: keeps ratios finite where a denominator (ms or share) is zero
 STEADY_MEDIAN_FRACTION = 0.5
 
 
+def _rows_median(x: np.ndarray, rows: np.ndarray | None = None, cols: np.ndarray | None = None) -> np.ndarray:
+    """``np.median(x[rows][:, cols], axis=1)`` (``None``: every row, every column), a block of rows
+    at a time: each block is copied once and partitioned in place, so the whole selection is never
+    held (a row's median is the same whichever rows it is computed with)."""
+    rows = np.arange(len(x)) if rows is None else rows
+    out = np.empty(len(rows))
+    for i in range(0, len(rows), _ROWS):
+        block = x[rows[i : i + _ROWS]] if cols is None else x[np.ix_(rows[i : i + _ROWS], cols)]
+        out[i : i + _ROWS] = np.median(block, axis=1, overwrite_input=True)
+    return out
+
+
 class RunStats:
     """Derived per-step quantities shared by the checks."""
 
@@ -97,7 +109,7 @@ class RunStats:
         self.straggler = straggler_rank(w, RANK_AXIS)
         self.counts = np.bincount(self.straggler, minlength=self.W)
         self.share = self.counts / max(self.S, 1)
-        self.median_wait = np.median(w, axis=1)
+        self.median_wait = _rows_median(w)
         #: [S] the ranks' mean lead: what the step lost waiting. Rows at a time: the [S, W] leads are
         #: never held whole (a row's mean is the same whichever rows it is computed with)
         self.lost_per_step = (
@@ -154,8 +166,7 @@ class RunStats:
         last in then does W medians of its own steps, not W medians of the whole run."""
         keep = np.ones(self.W, dtype=bool)
         keep[ranks] = False
-        rows = x if mask is None else x[mask]
-        return np.median(rows[:, keep], axis=1)
+        return _rows_median(x, None if mask is None else np.nonzero(mask)[0], np.nonzero(keep)[0])
 
     def late_ms(self, ranks: list[int], mask: np.ndarray) -> np.ndarray:
         """How much later than the other ranks' median the straggler arrived, on the masked steps."""
