@@ -27,7 +27,7 @@ import numpy as np
 from pace_strategy.diagnose.config import DiagnosisConfig
 from pace_strategy.diagnose.findings import diagnose
 from pace_strategy.diagnose.report import render_report
-from pace_strategy.telemetry.arrays import load_arrays
+from pace_strategy.telemetry.arrays import DIAGNOSIS_SKIP, load_arrays
 from pace_strategy.telemetry.columnar import (
     COLUMNS_SCHEMA,
     COLUMNS_VERSION,
@@ -171,7 +171,7 @@ def measure(path: Path, out: Path) -> dict[str, float | str | None]:
     process held before (MB)."""
     before = _reset_peak()
     t0 = time.perf_counter()
-    arrays = load_arrays(path, rank_step=False)  # as pace diagnose loads it
+    arrays = load_arrays(path, skip=DIAGNOSIS_SKIP)  # as pace diagnose loads it
     t1 = time.perf_counter()
     load_peak = _peak_mb()
     _reset_peak()

@@ -319,8 +319,9 @@ def _report(args: argparse.Namespace, trainer: Any, elapsed_s: float) -> None:
     if record_path.exists() and not args.no_diagnosis:
         from pace_strategy.diagnose import DiagnosisConfig, diagnose, load_arrays
         from pace_strategy.diagnose.report import render_report
+        from pace_strategy.telemetry.arrays import DIAGNOSIS_SKIP
 
-        arrays = load_arrays(record_path, rank_step=False)
+        arrays = load_arrays(record_path, skip=DIAGNOSIS_SKIP)
         diagnosis = diagnose(arrays)
         report = render_report(arrays, diagnosis, log_dir / "pace_report", DiagnosisConfig())
         print(f"\n  diagnosis: {diagnosis.summary}")

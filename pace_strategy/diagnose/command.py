@@ -123,10 +123,10 @@ def _diagnose(
     run_dirs: str | Sequence[str], cfg: DiagnosisConfig, ranks: Sequence[int]
 ) -> tuple[RunArrays, Diagnosis]:
     from pace_strategy.diagnose.findings import diagnose
-    from pace_strategy.telemetry.arrays import load_timeline, timeline_records
+    from pace_strategy.telemetry.arrays import DIAGNOSIS_SKIP, load_timeline, timeline_records
 
     arrays = load_timeline(
-        timeline_records([run_dirs] if isinstance(run_dirs, str) else run_dirs), rank_step=False
+        timeline_records([run_dirs] if isinstance(run_dirs, str) else run_dirs), skip=DIAGNOSIS_SKIP
     )
     return arrays, diagnose(arrays, cfg, project_ranks=ranks)
 

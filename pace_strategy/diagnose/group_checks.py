@@ -35,7 +35,8 @@ def fabric_contention(run: RunStats, explained: set[int]) -> list[Finding]:
     med = float(np.median(t))
     cv = float(t.std() / t.mean()) if t.mean() > 0 else 0.0
     p95 = float(np.percentile(t, TRANSFER_TAIL_PERCENTILE))
-    compute_cv = float(np.median(run.a.compute.std(axis=0) / np.maximum(run.a.compute.mean(axis=0), EPSILON)))
+    std, mean = run.compute_spread
+    compute_cv = float(np.median(std / np.maximum(mean, EPSILON)))
     inflated = med >= cfg.transfer_step_fraction * run.median_step
     unstable = cv >= cfg.transfer_cv or (med > 0 and p95 / med >= cfg.heavy_tail_ratio)
     if unstable and not run.has_fabric:

@@ -317,8 +317,8 @@ def host_oversubscription(run: RunStats, explained: set[int]) -> list[Finding]:
         # the share is what is claimed, not the ranks.
         lost = min(waiting, jitter)
         run.account(lost, jitter)
-        cols = run.a.compute[:, h.ranks]
-        compute_cv = float(np.median(cols.std(axis=0) / np.maximum(cols.mean(axis=0), EPSILON)))
+        std, mean = run.compute_spread
+        compute_cv = float(np.median(std[h.ranks] / np.maximum(mean[h.ranks], EPSILON)))
         step_cv = float(run.a.step_ms.std() / max(float(run.a.step_ms.mean()), EPSILON))
         beyond = lost - jitter >= cfg.healthy_lost_fraction
         unsteady = max(compute_cv, step_cv) >= cfg.compute_cv_steady

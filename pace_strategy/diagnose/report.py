@@ -127,7 +127,7 @@ def _figures(a: RunArrays, cfg: DiagnosisConfig, diagnosis: Diagnosis) -> dict[s
     ax.legend()
     save("step_time", fig)
 
-    _, dl = _bin_steps(a.delay.max(axis=1), cfg.max_heatmap_columns)
+    _, dl = _bin_steps(a.step_delay_max, cfg.max_heatmap_columns)
     fig, ax = plt.subplots(figsize=(9, 2.6))
     ax.plot(steps[idx], dl, lw=0.8, color="tab:red")
     ax.set_xlabel("step")

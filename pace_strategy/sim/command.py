@@ -157,9 +157,9 @@ def _from_run(args: argparse.Namespace) -> int:
     from pace_strategy.settings import build
     from pace_strategy.sim.calibrate import fit, oversubscription_factor, predict
     from pace_strategy.sim.model import NetworkModel
-    from pace_strategy.telemetry.arrays import load_arrays
+    from pace_strategy.telemetry.arrays import DIAGNOSIS_SKIP, load_arrays
 
-    arrays = load_arrays(args.from_run, rank_step=False)
+    arrays = load_arrays(args.from_run, skip=DIAGNOSIS_SKIP)
     cal = fit(arrays)
     ranks = [int(x) for x in args.ranks.split(",") if x] or [cal.ranks, cal.ranks * 16, cal.ranks * 128]
     recorded = PacingConfig.from_dict(arrays.header.get("config") or {}, warn=False)  # any version's record

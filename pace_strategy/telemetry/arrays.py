@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,15 +22,27 @@ from pace_strategy.telemetry.run_record import (
     read_run_record,
 )
 
-__all__ = ["RANK_AXIS", "RunArrays", "find_run_record", "load_arrays", "load_timeline", "timeline_records"]
+__all__ = [
+    "DIAGNOSIS_SKIP",
+    "RANK_AXIS",
+    "RunArrays",
+    "find_run_record",
+    "load_arrays",
+    "load_timeline",
+    "timeline_records",
+]
 
 #: per-rank arrays are ``[steps, ranks]``: the axis the glossary functions reduce over
 RANK_AXIS = 1
 
-_RANK_FIELDS = ("wait_ms", "compute_ms", "delay_ms", "data_ms", "gap_ms")
-#: each rank's own step time: no check of the diagnosis reads it (the step's time is the slowest
-#: rank's, ``step_ms``), so it is loaded only on request (``rank_step=True``)
-_RANK_STEP = "step_ms"
+_RANK_FIELDS = ("wait_ms", "compute_ms", "data_ms", "gap_ms")
+#: per-rank fields a reader may leave out (``load_arrays(skip=...)``): the RunArrays field and the
+#: record's name. No check of the diagnosis reads either: the step's time is the slowest rank's
+#: (``step_ms``), and the report plots the step's largest delay (``delay_max``).
+_SKIPPABLE = {"rank_step": "step_ms", "delay": "delay_ms"}
+#: what ``pace diagnose``, ``pace simulate --from-run`` and the demo leave out: each is a [steps,
+#: ranks] array (819 MB at 100k steps x 1,024 ranks)
+DIAGNOSIS_SKIP = ("rank_step", "delay")
 #: per-rank fields that later records add: loaded when every kept step has them, else left ``None``
 _OPTIONAL_RANK_FIELDS = ("gc_ms", "gc_collections", "samples", "opt_ms")
 
@@ -47,13 +59,16 @@ class RunArrays:
     step: np.ndarray  #: [S] global step
     wait: np.ndarray
     compute: np.ndarray
-    delay: np.ndarray
     data: np.ndarray
     gap: np.ndarray
     step_ms: np.ndarray  #: [S] slowest rank's step time
     pacing_active: np.ndarray  #: [S] bool
     decisions: list[dict[str, Any]]
-    #: [S, ranks] each rank's own step time; None: not loaded (:func:`load_arrays`'s ``rank_step``)
+    #: [S, ranks] pacing delay each rank applied; None: not loaded (:func:`load_arrays`'s ``skip``)
+    delay: np.ndarray | None = None
+    #: [S] the largest delay of the step (the step lines' ``delay_ms_max``; NaN where not written)
+    delay_max: np.ndarray | None = None
+    #: [S, ranks] each rank's own step time; None: not loaded (:func:`load_arrays`'s ``skip``)
     rank_step: np.ndarray | None = None
     gc_ms: np.ndarray | None = None  #: [S, ranks] time in the garbage collector; None: not recorded
     gc_collections: np.ndarray | None = None  #: [S, ranks] collections per step; None: not recorded
@@ -86,6 +101,14 @@ class RunArrays:
             if isinstance(getattr(self, f.name), np.ndarray)
         }
         return dataclasses.replace(self, **per_step)
+
+    @property
+    def step_delay_max(self) -> np.ndarray:
+        """``[S]`` each step's largest pacing delay, ms: from the per-rank delays when loaded, else
+        the step lines' ``delay_ms_max`` (0 where neither says)."""
+        if self.delay is not None:
+            return self.delay.max(axis=1) if self.delay.size else np.zeros(self.steps)
+        return np.nan_to_num(self.delay_max) if self.delay_max is not None else np.zeros(self.steps)
 
     @property
     def steps(self) -> int:
@@ -194,12 +217,15 @@ def _line_count(p: Path) -> int:
     return count
 
 
-def load_arrays(path: str | os.PathLike[str], *, rank_step: bool = True) -> RunArrays:
+def load_arrays(path: str | os.PathLike[str], *, skip: Collection[str] = ()) -> RunArrays:
     """Load a run record (file or directory) into arrays; tolerates a truncated last line.
 
-    ``rank_step=False``: leave each rank's own step time out (``RunArrays.rank_step`` is ``None``):
-    nothing of the diagnosis reads it, and it is one of the [steps, ranks] arrays (819 MB at 100k
-    steps x 1,024 ranks)."""
+    ``skip``: per-rank fields to leave out (``None`` in the result), of ``"rank_step"`` and
+    ``"delay"``; :data:`DIAGNOSIS_SKIP` is what the diagnosis does without."""
+    unknown = set(skip) - set(_SKIPPABLE)
+    if unknown:
+        raise ValueError(f"load_arrays cannot skip {sorted(unknown)}: only {sorted(_SKIPPABLE)}")
+    extra = tuple(name for field_, name in _SKIPPABLE.items() if field_ not in skip)
     p = find_run_record(path)
     objs = iter_run_record(p)
     header = next(objs)
@@ -208,11 +234,11 @@ def load_arrays(path: str | os.PathLike[str], *, rank_step: bool = True) -> RunA
     # the per-rank fields come from the columnar file, when the record has one: no JSON lists here
     capacity = _line_count(p) if columnar is None else 0
     kept: list[int] = []  # with a columnar file: the indices of the kept steps among all step lines
-    wanted = _RANK_FIELDS + ((_RANK_STEP,) if rank_step else ()) + _OPTIONAL_RANK_FIELDS
+    wanted = _RANK_FIELDS + extra + _OPTIONAL_RANK_FIELDS
     cols = {k: _Column(world, capacity) for k in wanted}
     host_bound = _Column(world, capacity, bool)
     every_rank_bound = [True] * world
-    steps, step_ms, active = [], [], []
+    steps, step_ms, active, delay_max = [], [], [], []
     decisions: list[dict[str, Any]] = []
     hangs: list[dict[str, Any]] = []
     shares: list[dict[str, Any]] = []
@@ -227,15 +253,14 @@ def load_arrays(path: str | os.PathLike[str], *, rank_step: bool = True) -> RunA
                 continue
             steps.append(obj["step"])
             step_ms.append(obj["step_ms"])
+            delay_max.append(obj.get("delay_ms_max"))
             active.append(obj["pacing_active"])
             if columnar is not None:
                 kept.append(total - 1)
                 continue
             ranks = obj["ranks"]
-            for k in _RANK_FIELDS:
+            for k in _RANK_FIELDS + extra:
                 cols[k].add(ranks[k])
-            if rank_step:
-                cols[_RANK_STEP].add(ranks[_RANK_STEP])
             for k in _OPTIONAL_RANK_FIELDS:
                 if k in ranks:
                     cols[k].add(ranks[k])
@@ -258,7 +283,7 @@ def load_arrays(path: str | os.PathLike[str], *, rank_step: bool = True) -> RunA
         loaded, rows = _kept_rank_columns(p.parent, columnar, world, kept, steps, wanted)
         if rows < len(steps):  # steps whose rows were never written (a crash between the two files)
             truncated = True
-            steps, step_ms, active = steps[:rows], step_ms[:rows], active[:rows]
+            steps, step_ms, active, delay_max = steps[:rows], step_ms[:rows], active[:rows], delay_max[:rows]
 
     def arr(k: str) -> np.ndarray:
         if columnar is None:
@@ -280,10 +305,11 @@ def load_arrays(path: str | os.PathLike[str], *, rank_step: bool = True) -> RunA
         step=np.asarray(steps, dtype=np.int64),
         wait=arr("wait_ms"),
         compute=arr("compute_ms"),
-        delay=arr("delay_ms"),
         data=arr("data_ms"),
         gap=arr("gap_ms"),
-        rank_step=arr(_RANK_STEP) if rank_step else None,
+        delay=arr("delay_ms") if "delay" not in skip else None,
+        delay_max=np.asarray(delay_max, dtype=np.float64),
+        rank_step=arr("step_ms") if "rank_step" not in skip else None,
         step_ms=np.asarray(step_ms, dtype=np.float64),
         pacing_active=np.asarray(active, dtype=bool),
         decisions=decisions,
@@ -291,7 +317,7 @@ def load_arrays(path: str | os.PathLike[str], *, rank_step: bool = True) -> RunA
         gc_collections=optional("gc_collections"),
         samples=optional("samples"),
         opt=optional("opt_ms"),
-        host_bound=host_bound.array() if columnar is None else arr("host_bound").astype(bool),
+        host_bound=host_bound.array() if columnar is None else np.asarray(arr("host_bound"), dtype=bool),
         shares=shares,
         hangs=hangs,
         attempts=_attempts(
@@ -325,7 +351,7 @@ def _kept_rank_columns(
     names = (*fields, "host_bound")
     index = np.asarray(kept, dtype=np.int64)
     try:
-        columns, written, _ = read_shards(directory, shards, world, names, keep=index)
+        columns, written, _ = read_shards(directory, shards, world, names, keep=index, flags=("host_bound",))
     except RankColumnsError as error:
         raise RunRecordError(str(error)) from error
     rows = int(np.searchsorted(index, len(written)))  # the kept steps that have rows
@@ -365,7 +391,7 @@ def _created(path: Path) -> tuple[float, str]:
     return (float(created) if isinstance(created, (int, float)) else 0.0, str(path))
 
 
-def load_timeline(records: Sequence[str | os.PathLike[str]], *, rank_step: bool = True) -> RunArrays:
+def load_timeline(records: Sequence[str | os.PathLike[str]], *, skip: Collection[str] = ()) -> RunArrays:
     """Several records of one run (a run, then its resumptions from checkpoints) as one
     :class:`RunArrays`, oldest first (by the header's creation time): their steps one after another.
 
@@ -374,7 +400,7 @@ def load_timeline(records: Sequence[str | os.PathLike[str]], *, rank_step: bool 
     where each record begins and how it ended. One record: :func:`load_arrays`.
     """
     paths = sorted((find_run_record(r) for r in records), key=_created)
-    parts = [load_arrays(p, rank_step=rank_step) for p in paths]
+    parts = [load_arrays(p, skip=skip) for p in paths]
     if len(parts) == 1:
         return parts[0]
     worlds = {a.world_size for a in parts}
@@ -417,7 +443,8 @@ def load_timeline(records: Sequence[str | os.PathLike[str]], *, rank_step: bool 
         step=cat("step"),
         wait=cat("wait"),
         compute=cat("compute"),
-        delay=cat("delay"),
+        delay=cat_optional("delay"),
+        delay_max=cat_optional("delay_max"),
         data=cat("data"),
         gap=cat("gap"),
         rank_step=cat_optional("rank_step"),

@@ -30,7 +30,7 @@ Needs the ``arrow`` extra (``pip install pace-strategy[arrow]``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -232,21 +232,25 @@ def read_rank_columns(
     world_size: int,
     columns: Sequence[str] | None = None,
     keep: np.ndarray | None = None,
+    flags: Collection[str] = (),
 ) -> tuple[dict[str, np.ndarray], np.ndarray, bool]:
     """The per-rank file ``path`` as ``[steps, world_size]`` float64 arrays (NaN for null; the
-    integer and boolean columns too), the labels of every step it holds, and whether its last batch
-    was cut off (a crash). ``columns``: only these (column projection; default all); ``keep``: only
-    these steps (sorted indices among the file's steps; default all), filled batch by batch, so the
-    memory is the arrays returned and one batch; a column null in every kept step is then left out.
-    The durations come back rounded to the microsecond, as the writer rounded them before float32:
-    the numbers the JSON lines would hold."""
+    integer and boolean columns too, but the boolean columns named in ``flags`` as bool arrays,
+    null read as True as NaN casts: an eighth of the memory), the labels of every step it holds,
+    and whether its last batch was cut off (a crash). ``columns``: only these (column projection;
+    default all); ``keep``: only these steps (sorted indices among the file's steps; default all),
+    filled batch by batch, so the memory is the arrays returned and one batch; a column null in
+    every kept step is then left out. The durations come back rounded to the microsecond, as the
+    writer rounded them before float32: the numbers the JSON lines would hold."""
     pa = _pyarrow()
     p = Path(path)
     if not p.is_file():
         raise RankColumnsError(f"{p} is missing: the run record's per-rank columns are written there")
     truncated = False
     labels: list[np.ndarray] = []
-    with pa.memory_map(str(p)) as source:
+    # read, not memory-mapped: a batch at a time is in memory, not every page of the file read so
+    # far (a mapped 1 GB file counted in full in the reader's resident memory)
+    with pa.OSFile(str(p)) as source:
         try:
             reader = pa.ipc.open_stream(source)
         except pa.ArrowInvalid as error:
@@ -258,7 +262,6 @@ def read_rank_columns(
                 f"{COLUMNS_SCHEMA!r} up to version {COLUMNS_VERSION}"
             )
         wanted = list(columns) if columns is not None else [f.name for f in reader.schema][2:]
-        # with ``keep``: filled in place; without: every batch's arrays, joined at the end
         # with ``keep``: filled in place, a column's array made at its first value (a column null
         # throughout, as ``gc_ms`` where it was not recorded, is left out of the result); without:
         # every batch's arrays, joined at the end
@@ -279,7 +282,8 @@ def read_rank_columns(
                     f"{p}: a batch of {batch.num_rows} rows is not whole steps of {world_size}"
                 )
             count = batch.num_rows // world_size
-            labels.append(batch.column("step").to_numpy()[::world_size])
+            # a copy: a view would keep the whole decompressed batch alive until the end
+            labels.append(batch.column("step").to_numpy()[::world_size].copy())
             rows = None
             if keep is not None:
                 lo, hi = np.searchsorted(keep, (first, first + count))
@@ -288,21 +292,30 @@ def read_rank_columns(
                 column = batch.column(name)
                 if rows is not None and name not in out and column.null_count == batch.num_rows:
                     continue  # null so far: no array yet, nothing to convert
+                flag = name in flags
+                if flag:
+                    column = column.fill_null(True)
                 values = column.to_numpy(zero_copy_only=False).reshape(count, world_size)
                 if rows is None:
-                    parts[name].append(values.astype(np.float64))
+                    parts[name].append(values if flag else values.astype(np.float64))
                     continue
                 if name not in out:
                     assert keep is not None
-                    out[name] = np.empty((len(keep), world_size))
-                    out[name][:filled] = np.nan
+                    out[name] = np.empty((len(keep), world_size), dtype=bool if flag else np.float64)
+                    out[name][:filled] = True if flag else np.nan
                 out[name][filled : filled + len(rows)] = values[rows]
             filled += count if rows is None else len(rows)
             first += count
     if keep is None:
         out = {
-            name: np.concatenate(parts[name]) if parts[name] else np.empty((0, world_size)) for name in wanted
+            name: np.concatenate(parts[name])
+            if parts[name]
+            else np.empty((0, world_size), dtype=bool if name in flags else np.float64)
+            for name in wanted
         }
+    # Arrow's allocator keeps the decompressed batches' memory for reuse (1 GB after 100k steps x
+    # 1,024 ranks): hand it back, the arrays are numpy's
+    pa.default_memory_pool().release_unused()
     steps = np.concatenate(labels).astype(np.int64) if labels else np.empty(0, dtype=np.int64)
     for name, values in out.items():
         if name in FLOAT_COLUMNS:  # float32 back to the numbers the JSON lines hold (the writer rounded)
@@ -320,29 +333,36 @@ def read_shards(
     world_size: int,
     columns: Sequence[str] | None = None,
     keep: np.ndarray | None = None,
+    flags: Collection[str] = (),
 ) -> tuple[dict[str, np.ndarray], np.ndarray, bool]:
     """:func:`read_rank_columns` over a record's files (one for every rank, or a shard per node
     written by its leader), as ``[steps, world_size]`` arrays: the steps every file holds (a shard
     that stops earlier, its leader stopped or crashed first, shortens them all: ``truncated``). A
     column null in every kept step of every file is left out; where only some files have it, the
-    others' ranks read NaN."""
-    parts = []
-    for name, ranks in shards:
-        cols, labels, cut = read_rank_columns(directory / name, len(ranks), columns, keep)
-        parts.append((list(ranks), cols, labels, cut))
-    if len(parts) == 1 and parts[0][0] == list(range(world_size)):
-        return parts[0][1], parts[0][2], parts[0][3]
-    steps = min(len(labels) for _, _, labels, _ in parts)
-    labels = parts[0][2][:steps]
-    for (_, _, other, _), (name, _) in zip(parts, shards, strict=True):
-        if not np.array_equal(other[:steps], labels):
-            raise RankColumnsError(f"{directory / name} holds other steps than {shards[0][0]}: not one run")
-    rows = int(np.searchsorted(keep, steps)) if keep is not None else steps  # the kept steps all hold
+    others' ranks read NaN (a flag, True)."""
+    # Each file's arrays go into the merged ones as soon as it is read (holding every shard's
+    # arrays until the last would double the memory of the load).
     out: dict[str, np.ndarray] = {}
-    for ranks, cols, _, _ in parts:
-        for name, values in cols.items():
-            if name not in out:
-                out[name] = np.full((rows, world_size), np.nan)
-            out[name][:, ranks] = values[:rows]
-    truncated = any(cut for *_, cut in parts) or any(len(p[2]) > steps for p in parts)
-    return out, labels, truncated
+    first: np.ndarray | None = None  # the first file's step labels: every file must hold the same
+    steps, longest, truncated = 0, 0, False
+    for index, (name, ranks) in enumerate(shards):
+        cols, labels, cut = read_rank_columns(directory / name, len(ranks), columns, keep, flags)
+        if index == 0:
+            if list(ranks) == list(range(world_size)):
+                return cols, labels, cut
+            first, steps = labels, len(labels)
+        assert first is not None
+        common = min(len(first), len(labels))
+        if not np.array_equal(labels[:common], first[:common]):
+            raise RankColumnsError(f"{directory / name} holds other steps than {shards[0][0]}: not one run")
+        steps, longest, truncated = min(steps, common), max(longest, len(labels)), truncated or cut
+        for column, values in cols.items():
+            if column not in out:
+                capacity = len(keep) if keep is not None else len(first)
+                fill = True if column in flags else np.nan
+                out[column] = np.full((capacity, world_size), fill, dtype=bool if column in flags else None)
+            held = min(len(values), len(out[column]))
+            out[column][:held, list(ranks)] = values[:held]
+    assert first is not None
+    rows = int(np.searchsorted(keep, steps)) if keep is not None else steps  # the kept steps all hold
+    return {k: v[:rows] for k, v in out.items()}, first[:steps], truncated or longest > steps
