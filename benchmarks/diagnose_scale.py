@@ -2,9 +2,12 @@
 
 Writes a synthetic record in the run-record schema (default 100,000 steps x 64 ranks, 8 nodes x 8
 local ranks, local rank 5 slow by 3 ms on every node, 1 ms jitter), then times the diagnosis and the
-report, and the peak memory (RSS) of the load and of the findings above what the process held
-before them (Linux: the peak is reset through /proc/self/clear_refs). The synthetic data only
-exercises size; the real-run tests check what the findings say.
+report, and the peak memory (RSS) of the load, the findings and the report, each above what the
+process held before the load (Linux: the peak is reset through /proc/self/clear_refs). The record
+is loaded as ``pace diagnose`` loads it (``load_arrays(skip=DIAGNOSIS_SKIP)``). The synthetic data
+only exercises size (its step lines carry wait, compute, delay, data, gap and step time per rank:
+no optimizer, GC or sample columns, which a real record adds); the real-run tests check what the
+findings say.
 
 The same record is diagnosed as JSON lines and, converted with ``pace convert``, with its per-rank
 columns in Arrow (``record_format: arrow``), side by side with their ratios.
@@ -178,10 +181,12 @@ def measure(path: Path, out: Path) -> dict[str, float | str | None]:
     result = diagnose(arrays)
     t2 = time.perf_counter()
     findings_peak = _peak_mb()
+    _reset_peak()
     render_report(arrays, result, out, DiagnosisConfig())
     t3 = time.perf_counter()
+    report_peak = _peak_mb()
     arrays_mb = sum(v.nbytes for v in vars(arrays).values() if isinstance(v, np.ndarray)) / 1e6
-    known = before is not None and load_peak is not None and findings_peak is not None
+    known = before is not None and None not in (load_peak, findings_peak, report_peak)
     return {
         "load_s": t1 - t0,
         "findings_s": t2 - t1,
@@ -189,6 +194,7 @@ def measure(path: Path, out: Path) -> dict[str, float | str | None]:
         "total_s": t3 - t0,
         "load_peak_mb": load_peak - before if known else None,  # type: ignore[operator]
         "findings_peak_mb": findings_peak - before if known else None,  # type: ignore[operator]
+        "report_peak_mb": report_peak - before if known else None,  # type: ignore[operator]
         "arrays_mb": arrays_mb,
         "top": f"{result.findings[0].mode} ranks {result.findings[0].ranks}",
     }
@@ -235,7 +241,7 @@ def main() -> int:
             f"findings {r['findings_s']:.1f} s, "
             f"report {r['report_s']:.1f} s, total {r['total_s']:.1f} s; peak RSS above the start: load "
             f"+{r['load_peak_mb']:.0f} MB (the arrays: {r['arrays_mb']:.0f} MB), findings "
-            f"+{r['findings_peak_mb']:.0f} MB; top finding: {r['top']}"
+            f"+{r['findings_peak_mb']:.0f} MB, report +{r['report_peak_mb']:.0f} MB; top finding: {r['top']}"
         )
     if "jsonl" in rows and "arrow" in rows:
         j, a = rows["jsonl"], rows["arrow"]
