@@ -185,7 +185,9 @@ def measure(path: Path, out: Path) -> dict[str, float | str | None]:
     render_report(arrays, result, out, DiagnosisConfig())
     t3 = time.perf_counter()
     report_peak = _peak_mb()
-    arrays_mb = sum(v.nbytes for v in vars(arrays).values() if isinstance(v, np.ndarray)) / 1e6
+    arrays_mb = (
+        sum(v.nbytes for v in vars(arrays).values() if isinstance(v, np.ndarray)) / 2**20
+    )  # MiB, as RSS
     known = before is not None and None not in (load_peak, findings_peak, report_peak)
     return {
         "load_s": t1 - t0,
