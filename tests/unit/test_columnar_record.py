@@ -19,7 +19,8 @@ from pace_strategy.cli import main as pace_main  # noqa: E402
 from pace_strategy.core.config import PacingConfig  # noqa: E402
 from pace_strategy.core.errors import PacingConfigError  # noqa: E402
 from pace_strategy.diagnose.command import main as diagnose_main  # noqa: E402
-from pace_strategy.telemetry.arrays import load_arrays  # noqa: E402
+from pace_strategy.diagnose.findings import diagnose  # noqa: E402
+from pace_strategy.telemetry.arrays import DIAGNOSIS_SKIP, load_arrays  # noqa: E402
 from pace_strategy.telemetry.convert import convert_record  # noqa: E402
 from pace_strategy.telemetry.run_record import RunRecordError, read_run_record  # noqa: E402
 from tests.distributed.ranks import raise_first, run_ranks  # noqa: E402
@@ -62,6 +63,42 @@ def test_a_recorded_run_reads_the_same_in_either_form(fixture, tmp_path, capsys)
     assert [json.loads(x) for x in back.read_text().splitlines()] == [
         json.loads(x) for x in (original / "pace_run.jsonl").read_text().splitlines()
     ]
+
+
+@pytest.mark.parametrize("fixture", ["run4_transient.jsonl", "gc_pauses_2ranks.jsonl"])
+def test_the_diagnosis_loads_only_what_it_reads_and_finds_the_same(fixture, tmp_path):
+    original = tmp_path / "jsonl"
+    original.mkdir()
+    # the fixture's steps, paced: every third step delays its ranks (the step line's delay_ms_max
+    # is their largest, as the writer writes it)
+    lines = [json.loads(x) for x in (FIXTURES / fixture).read_text().splitlines()]
+    for i, line in enumerate(x for x in lines if x["record"] == "step"):
+        if i % 3 == 0:
+            delays = [round(0.25 * ((i + r) % 5), 3) for r in range(len(line["ranks"]["delay_ms"]))]
+            line["ranks"]["delay_ms"], line["delay_ms_max"] = delays, max(delays)
+            line["pacing_active"] = max(delays) > 0
+    (original / "pace_run.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    arrow = convert_record(original, tmp_path / "arrow", to="arrow").parent
+    for run_dir in (original, arrow):
+        full, lean = load_arrays(run_dir), load_arrays(run_dir, skip=DIAGNOSIS_SKIP)
+        assert full.delay is not None and full.rank_step is not None
+        assert lean.delay is None and lean.rank_step is None
+        _arrays_equal(dataclasses.replace(full, delay=None, rank_step=None), lean)
+        assert lean.host_bound is not None and lean.host_bound.dtype == bool
+        # the report's delays: the step lines' largest delay, the same as the ranks' largest
+        assert np.array_equal(lean.step_delay_max, full.step_delay_max) and (full.delay > 0).any()
+        without = {"seconds"}
+        assert _strip(diagnose(lean).to_dict(), without) == _strip(diagnose(full).to_dict(), without)
+    with pytest.raises(ValueError, match=r"cannot skip \['wait'\]: only \['delay', 'rank_step'\]"):
+        load_arrays(original, skip=("wait",))
+
+
+def _strip(value, keys):
+    if isinstance(value, dict):
+        return {k: _strip(v, keys) for k, v in value.items() if k not in keys}
+    if isinstance(value, list):
+        return [_strip(v, keys) for v in value]
+    return value
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +198,38 @@ def test_a_wide_world_is_summarized_without_per_rank_objects(tmp_path):
     b.close()
     read = [pa.ipc.open_stream(str(tmp_path / n)).read_all() for n in ("a.arrow", "b.arrow")]
     assert read[0].num_rows == world * steps and read[0].equals(read[1])
+
+
+def test_node_shards_merge_into_every_ranks_columns_up_to_the_shortest(tmp_path):
+    from pace_strategy.telemetry.columnar import RankColumnsWriter, read_shards
+
+    rng = np.random.default_rng(0)
+    written: dict[str, np.ndarray] = {}  # [steps, 5 ranks] of what each shard wrote
+    expected_bound = np.ones((10, 5), dtype=bool)  # a step without host_bound: every rank bound
+
+    def shard(name: str, ranks: list[int], steps: int) -> None:
+        writer = RankColumnsWriter(tmp_path / name, len(ranks), ranks=ranks)
+        for first in range(0, steps, 4):
+            n = min(4, steps - first)
+            cols = {k: np.round(rng.random((n, len(ranks))) * 10, 3) for k in ("compute_ms", "wait_ms")}
+            if first % 8 == 0:  # host_bound in every other batch only
+                cols["host_bound"] = rng.random((n, len(ranks))) > 0.5
+                expected_bound[first : first + n, ranks] = cols["host_bound"]
+            for k, v in cols.items():
+                if k != "host_bound":
+                    written.setdefault(k, np.full((10, 5), np.nan))[first : first + n, ranks] = v
+            writer.write_rows(list(range(first, first + n)), cols)
+        writer.close()
+
+    shard("node0.arrow", [0, 2, 4], 10)
+    shard("node1.arrow", [1, 3], 7)  # its leader stopped first: 7 steps
+    shards = [("node0.arrow", [0, 2, 4]), ("node1.arrow", [1, 3])]
+    names = ["compute_ms", "wait_ms", "host_bound"]
+    for keep in (None, np.array([0, 2, 3, 5, 6, 8, 9])):
+        columns, labels, truncated = read_shards(tmp_path, shards, 5, names, keep, flags=("host_bound",))
+        rows = np.arange(7) if keep is None else keep[keep < 7]
+        assert labels.tolist() == list(range(7)) and truncated
+        for k in ("compute_ms", "wait_ms"):
+            assert np.array_equal(columns[k], written[k][rows])
+        assert columns["host_bound"].dtype == bool
+        assert np.array_equal(columns["host_bound"], expected_bound[rows])
