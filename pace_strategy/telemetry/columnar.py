@@ -150,7 +150,11 @@ class RankColumnsWriter:
         # Only this file's ranks are copied (a node leader's shard: its node of thousands); the
         # leads' reference, the step's smallest wait, is over every rank.
         transfer = glossary.transfer_ms(g[:, :, Field.WAIT_MS], rank_axis=0).numpy()
-        mine = window[list(self.ranks)]  # [these ranks, steps, fields]
+        # [these ranks, steps, fields]: a view when they are consecutive (every rank, or a node of
+        # consecutive ranks), which keeps the window's field-major layout; else a copy of their rows
+        lo = self.ranks[0] if self.ranks else 0
+        consecutive = self.ranks == tuple(range(lo, lo + len(self.ranks)))
+        mine = window[lo : lo + len(self.ranks)] if consecutive else window[list(self.ranks)]
 
         def column(values: np.ndarray) -> np.ndarray:  # [ranks, steps] -> step-major [steps, ranks]
             return np.ascontiguousarray(values.T)

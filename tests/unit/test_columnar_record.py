@@ -198,6 +198,22 @@ def test_a_wide_world_is_summarized_without_per_rank_objects(tmp_path):
     b.close()
     read = [pa.ipc.open_stream(str(tmp_path / n)).read_all() for n in ("a.arrow", "b.arrow")]
     assert read[0].num_rows == world * steps and read[0].equals(read[1])
+    # a node leader's shard of its ranks, consecutive or not, from either layout of the window
+    from pace_strategy.core.comm import field_major
+    from pace_strategy.telemetry.columnar import read_rank_columns
+
+    laid_out = field_major(*g.shape)
+    laid_out.copy_(g)
+    whole, _, _ = read_rank_columns(tmp_path / "a.arrow", world)
+    for ranks in ((1, 5, 7), tuple(range(3, 9))):
+        for window in (g, laid_out):
+            shard = RankColumnsWriter(tmp_path / "shard.arrow", len(ranks), ranks=ranks)
+            shard.write_gathered(window)
+            shard.close()
+            part, _, _ = read_rank_columns(tmp_path / "shard.arrow", len(ranks))
+            assert set(part) == set(whole)
+            for k, v in part.items():
+                assert np.array_equal(v, whole[k][:, list(ranks)], equal_nan=True), (ranks, k)
 
 
 def test_node_shards_merge_into_every_ranks_columns_up_to_the_shortest(tmp_path):
