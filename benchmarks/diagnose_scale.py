@@ -13,6 +13,7 @@ The same record is diagnosed as JSON lines and, converted with ``pace convert``,
 columns in Arrow (``record_format: arrow``), side by side with their ratios.
 
     python benchmarks/diagnose_scale.py [--steps 100000] [--ranks 64] [--formats jsonl,arrow]
+        [--writer-columns]
 """
 
 from __future__ import annotations
@@ -123,10 +124,15 @@ def write_record(path: Path, steps: int, ranks: int, per_node: int) -> None:
             print(f"  wrote {start + len(compute):,}/{steps:,} steps", flush=True)
 
 
-def write_arrow_record(path: Path, steps: int, ranks: int, per_node: int) -> None:
+def write_arrow_record(
+    path: Path, steps: int, ranks: int, per_node: int, writer_columns: bool = False
+) -> None:
     """The same synthetic run written straight in the columnar form (no JSON per rank), for sizes
     whose JSON lines would take many GB: the step lines of the global stream and one batch of
-    per-rank columns per 32 steps."""
+    per-rank columns per 32 steps. ``writer_columns``: also the per-rank columns today's writer
+    records (optimizer time ~2 ms, a 3 ms GC pause in 1% of rank-steps, a collection in 5%, 32
+    samples), which the diagnosis loads too."""
+    rng = np.random.default_rng(1)
     columns = RankColumnsWriter(path.with_name(rank_columns_filename(path.name)), ranks)
     described = {"file": columns.path.name, "schema": COLUMNS_SCHEMA, "version": COLUMNS_VERSION}
     with path.open("w") as f:
@@ -134,11 +140,15 @@ def write_arrow_record(path: Path, steps: int, ranks: int, per_node: int) -> Non
         for start, compute, wait in windows(steps, ranks, per_node, 32):
             zeros = np.zeros_like(compute)
             step_ms = np.repeat(compute.max(axis=1, keepdims=True) + 6, ranks, axis=1)
-            columns.write_rows(
-                list(range(start, start + len(compute))),
-                {"lead_ms": wait - wait.min(axis=1, keepdims=True), "compute_ms": compute, "wait_ms": wait,
-                 "delay_ms": zeros, "step_ms": step_ms, "data_ms": zeros, "gap_ms": zeros},
-            )  # fmt: skip
+            rows = {"lead_ms": wait - wait.min(axis=1, keepdims=True), "compute_ms": compute, "wait_ms": wait,
+                    "delay_ms": zeros, "step_ms": step_ms, "data_ms": zeros, "gap_ms": zeros}  # fmt: skip
+            if writer_columns:
+                shape = compute.shape
+                rows["opt_ms"] = np.round(2.0 + rng.random(shape) * 0.1, 3)
+                rows["gc_ms"] = np.round((rng.random(shape) < 0.01) * 3.0, 3)
+                rows["gc_collections"] = (rng.random(shape) < 0.05).astype(np.int32)
+                rows["samples"] = np.full(shape, 32, dtype=np.int32)
+            columns.write_rows(list(range(start, start + len(compute))), rows)
             lines = [json.dumps(step_line(start + i, compute[i], wait[i])) for i in range(len(compute))]
             f.write("\n".join(lines) + "\n")
             if (start // 32) % 500 == 0:
@@ -213,6 +223,11 @@ def main() -> int:
         help="record formats to diagnose, from the same record (arrow: converted with pace convert; "
         "arrow alone: the record is written in that form directly, for sizes whose JSON would not fit)",
     )
+    p.add_argument(
+        "--writer-columns",
+        action="store_true",
+        help="with --formats arrow: also the per-rank optimizer, GC and sample columns a real record has",
+    )
     args = p.parse_args()
     formats = args.formats.split(",")
     rows = {}
@@ -223,7 +238,7 @@ def main() -> int:
         if formats == ["arrow"]:  # no JSON per rank at all: written in the columnar form directly
             (Path(tmp) / "arrow").mkdir()
             direct = Path(tmp) / "arrow" / "pace_run.jsonl"
-            write_arrow_record(direct, args.steps, args.ranks, args.per_node)
+            write_arrow_record(direct, args.steps, args.ranks, args.per_node, args.writer_columns)
             sizes["arrow"] = sum(f.stat().st_size for f in direct.parent.iterdir()) / 1e6
         else:
             write_record(path, args.steps, args.ranks, args.per_node)
