@@ -111,15 +111,18 @@ _ROWS = 4096
 def _own_and_others(
     gc_ms: np.ndarray, rows: np.ndarray, late_rank: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """On the steps ``rows``: the late rank's GC time, and the median over the ranks of the step
-    with the late rank's entry set to NaN (NaN, as ``np.median`` gives)."""
+    """On the steps ``rows``: the late rank's GC time, and the median GC time of the other ranks.
+
+    (Until this was taken a block of steps at a time, the others' median was ``np.median`` of a row
+    whose late-rank entry was NaN: always NaN, read as 0, so a pause every rank took at the same step
+    counted in full as the late rank's own.)"""
     own, others = np.empty(len(rows)), np.empty(len(rows))
     for i in range(0, len(rows), _ROWS):
         block = np.nan_to_num(gc_ms[rows[i : i + _ROWS]])
         late = late_rank[i : i + _ROWS]
         own[i : i + _ROWS] = block[np.arange(len(late)), late]
         block[np.arange(len(late)), late] = np.nan
-        others[i : i + _ROWS] = np.median(block, axis=1)
+        others[i : i + _ROWS] = np.nanmedian(block, axis=1)
     return own, others
 
 

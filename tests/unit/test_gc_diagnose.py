@@ -55,6 +55,15 @@ def test_gc_time_on_the_early_rank_explains_nothing(arrays):
     assert gc_pauses(RunStats(swapped, DiagnosisConfig()), set()) == []
 
 
+def test_a_pause_every_rank_takes_at_the_same_step_is_not_the_late_ranks_own(arrays):
+    # the pauses synchronized (gc_sync's aim): in every step both ranks pause as long as the longer
+    # one did, so the late rank collected no more than the other and its lateness is not its GC time
+    both = np.repeat(arrays.gc_ms.max(axis=1, keepdims=True), 2, axis=1)
+    assert gc_pauses(RunStats(dataclasses.replace(arrays, gc_ms=both), DiagnosisConfig()), set()) == []
+    # (the same record with each rank pausing at its own steps, as it ran, names the collector:
+    # test_gc_heavy_run_is_named_gc_pauses_with_its_numbers)
+
+
 def test_the_thresholds_decide(arrays):
     assert gc_pauses(RunStats(arrays, DiagnosisConfig(gc_min_steps=10_000)), set()) == []
     explained: set[int] = set()
