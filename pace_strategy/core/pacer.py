@@ -653,18 +653,16 @@ class Pacer:
         leader), or take the decision a node leader sent (any other rank). ``timed``: the wait counts
         in ``exchange_wait_ns``."""
         started = time.perf_counter_ns()
+        verdict: Verdict | None = None
         if self.hierarchy is None:
             gathered: torch.Tensor | None = self.exchange.wait(pending)
-        else:
-            gathered = self.hierarchy.wait_window(pending)
-            if gathered is None:
-                verdict = self.hierarchy.receive_verdict()
-                if timed:
-                    self.exchange_wait_ns += time.perf_counter_ns() - started
-                return self._follow(verdict)
+        elif (gathered := self.hierarchy.wait_window(pending)) is None:
+            verdict = self.hierarchy.receive_verdict()
         if timed:
             self.exchange_wait_ns += time.perf_counter_ns() - started
-        assert gathered is not None
+        if gathered is None:
+            assert verdict is not None
+            return self._follow(verdict)
         result = self._decide(gathered)
         if self.hierarchy is not None:
             self.hierarchy.send_verdict(*verdict_of(result))

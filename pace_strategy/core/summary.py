@@ -41,7 +41,7 @@ class StepSummarizer:
             return g[:, :, f]  # [ranks, steps]
 
         def high(f: Field) -> torch.Tensor:
-            return g[:, :, f].amax(dim=0)  # [steps]
+            return field(f).amax(dim=0)  # [steps]
 
         wait = field(Field.WAIT_MS)
         transfer = glossary.transfer_ms(wait, rank_axis=0)

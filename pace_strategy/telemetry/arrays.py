@@ -317,7 +317,10 @@ def load_arrays(path: str | os.PathLike[str], *, skip: Collection[str] = ()) -> 
         gc_collections=optional("gc_collections"),
         samples=optional("samples"),
         opt=optional("opt_ms"),
-        host_bound=host_bound.array() if columnar is None else np.asarray(arr("host_bound"), dtype=bool),
+        # read as bool (a batch without the column: every rank bound, as a JSON line without it)
+        host_bound=host_bound.array()
+        if columnar is None
+        else loaded.get("host_bound", np.ones((len(steps), world), dtype=bool)),
         shares=shares,
         hangs=hangs,
         attempts=_attempts(
