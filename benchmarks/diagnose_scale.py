@@ -3,8 +3,11 @@
 Writes a synthetic record in the run-record schema (default 100,000 steps x 64 ranks, 8 nodes x 8
 local ranks, local rank 5 slow by 3 ms on every node, 1 ms jitter), then times the diagnosis and the
 report, and the peak memory (RSS) of the load, the findings and the report, each above what the
-process held before the load (Linux: the peak is reset through /proc/self/clear_refs). The record
-is loaded as ``pace diagnose`` loads it (``load_arrays(skip=DIAGNOSIS_SKIP)``). The synthetic data
+process held before the load (Linux: the peak is reset through /proc/self/clear_refs). ``streamed``
+is how ``pace diagnose`` reads a record: its lines (``load_lines``), then its per-rank numbers a
+block of steps at a time (the digest, read once for the findings and the report); ``loaded`` loads
+them whole first (``load_arrays(skip=DIAGNOSIS_SKIP)``, how it read them before), the baseline. The
+synthetic data
 only exercises size (its step lines carry wait, compute, delay, data, gap and step time per rank:
 no optimizer, GC or sample columns, which a real record adds); the real-run tests check what the
 findings say.
@@ -13,7 +16,10 @@ The same record is diagnosed as JSON lines and, converted with ``pace convert``,
 columns in Arrow (``record_format: arrow``), side by side with their ratios.
 
     python benchmarks/diagnose_scale.py [--steps 100000] [--ranks 64] [--formats jsonl,arrow]
-        [--writer-columns]
+        [--writer-columns] [--modes streamed,loaded] [--keep DIR | --record DIR]
+
+``--keep DIR`` keeps the written record(s) in DIR; ``--record DIR`` diagnoses the ones kept there
+(no writing: a 100k x 8,192 record takes minutes to write and 8 GB of disk).
 """
 
 from __future__ import annotations
@@ -29,9 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from pace_strategy.diagnose.config import DiagnosisConfig
-from pace_strategy.diagnose.findings import diagnose
+from pace_strategy.diagnose.findings import diagnose_run
 from pace_strategy.diagnose.report import render_report
-from pace_strategy.telemetry.arrays import DIAGNOSIS_SKIP, load_arrays
+from pace_strategy.telemetry.arrays import DIAGNOSIS_SKIP, load_arrays, load_lines
 from pace_strategy.telemetry.columnar import (
     COLUMNS_SCHEMA,
     COLUMNS_VERSION,
@@ -179,25 +185,24 @@ def _peak_mb() -> float | None:
     return _status_mb("VmHWM")
 
 
-def measure(path: Path, out: Path) -> dict[str, float | str | None]:
-    """Load, findings and report of the record at ``path``: times (s) and peak RSS above what the
-    process held before (MB)."""
+def measure(path: Path, out: Path, mode: str) -> dict[str, float | str | None]:
+    """Load, findings and report of the record at ``path`` (``mode``: streamed or loaded): times (s)
+    and peak RSS above what the process held before (MB)."""
     before = _reset_peak()
     t0 = time.perf_counter()
-    arrays = load_arrays(path, skip=DIAGNOSIS_SKIP)  # as pace diagnose loads it
+    # as pace diagnose reads it (streamed), or whole (loaded)
+    run = load_lines(path) if mode == "streamed" else load_arrays(path, skip=DIAGNOSIS_SKIP)
     t1 = time.perf_counter()
     load_peak = _peak_mb()
     _reset_peak()
-    result = diagnose(arrays)
+    result, digest = diagnose_run(run)
     t2 = time.perf_counter()
     findings_peak = _peak_mb()
     _reset_peak()
-    render_report(arrays, result, out, DiagnosisConfig())
+    render_report(run, result, out, DiagnosisConfig(), digest)
     t3 = time.perf_counter()
     report_peak = _peak_mb()
-    arrays_mb = (
-        sum(v.nbytes for v in vars(arrays).values() if isinstance(v, np.ndarray)) / 2**20
-    )  # MiB, as RSS
+    held_mb = sum(v.nbytes for v in vars(run).values() if isinstance(v, np.ndarray)) / 2**20  # MiB, as RSS
     known = before is not None and None not in (load_peak, findings_peak, report_peak)
     return {
         "load_s": t1 - t0,
@@ -207,8 +212,9 @@ def measure(path: Path, out: Path) -> dict[str, float | str | None]:
         "load_peak_mb": load_peak - before if known else None,  # type: ignore[operator]
         "findings_peak_mb": findings_peak - before if known else None,  # type: ignore[operator]
         "report_peak_mb": report_peak - before if known else None,  # type: ignore[operator]
-        "arrays_mb": arrays_mb,
-        "top": f"{result.findings[0].mode} ranks {result.findings[0].ranks}",
+        "arrays_mb": held_mb,
+        "top": f"{result.findings[0].mode} ranks {result.findings[0].ranks[:8]}",
+        "shape": f"{run.steps:,} steps x {run.world_size} ranks",
     }
 
 
@@ -228,48 +234,65 @@ def main() -> int:
         action="store_true",
         help="with --formats arrow: also the per-rank optimizer, GC and sample columns a real record has",
     )
+    p.add_argument(
+        "--modes",
+        default="streamed,loaded",
+        help="streamed: as pace diagnose reads a record (a block of steps at a time); loaded: the "
+        "per-rank numbers loaded whole first (the baseline; at 8,192 ranks they do not fit 24 GB)",
+    )
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--keep", default=None, help="write the record(s) into this directory and keep them")
+    where.add_argument("--record", default=None, help="diagnose the record(s) kept in this directory")
     args = p.parse_args()
-    formats = args.formats.split(",")
+    formats, modes = args.formats.split(","), [m for m in args.modes.split(",") if m]  # "": write only
     rows = {}
     with tempfile.TemporaryDirectory(prefix="pace-diag-") as tmp:
-        path = Path(tmp) / "jsonl" / "pace_run.jsonl"
-        path.parent.mkdir()
+        root = Path(args.record or args.keep or tmp)
+        path = root / "jsonl" / "pace_run.jsonl"
+        arrow = root / "arrow" / "pace_run.jsonl"
         sizes = {}
-        if formats == ["arrow"]:  # no JSON per rank at all: written in the columnar form directly
-            (Path(tmp) / "arrow").mkdir()
-            direct = Path(tmp) / "arrow" / "pace_run.jsonl"
-            write_arrow_record(direct, args.steps, args.ranks, args.per_node, args.writer_columns)
-            sizes["arrow"] = sum(f.stat().st_size for f in direct.parent.iterdir()) / 1e6
-        else:
-            write_record(path, args.steps, args.ranks, args.per_node)
-            sizes["jsonl"] = path.stat().st_size / 1e6
-        if "arrow" in formats and "jsonl" in formats:
-            started = time.perf_counter()
-            converted = convert_record(path, Path(tmp) / "arrow", to="arrow")
-            print(f"  converted to arrow in {time.perf_counter() - started:.1f} s", flush=True)
-            sizes["arrow"] = sum(f.stat().st_size for f in converted.parent.iterdir()) / 1e6
+        if args.record is None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if formats == ["arrow"]:  # no JSON per rank at all: written in the columnar form directly
+                arrow.parent.mkdir(exist_ok=True)
+                write_arrow_record(arrow, args.steps, args.ranks, args.per_node, args.writer_columns)
+            else:
+                write_record(path, args.steps, args.ranks, args.per_node)
+            if "arrow" in formats and "jsonl" in formats:
+                started = time.perf_counter()
+                convert_record(path, arrow.parent, to="arrow")
+                print(f"  converted to arrow in {time.perf_counter() - started:.1f} s", flush=True)
         for form in formats:
-            record = path if form == "jsonl" else Path(tmp) / "arrow" / "pace_run.jsonl"
-            rows[form] = measure(record, Path(tmp) / f"report-{form}")
-    print(f"{args.steps:,} steps x {args.ranks} ranks")
-    for form, r in rows.items():
+            record = path if form == "jsonl" else arrow
+            sizes[form] = sum(f.stat().st_size for f in record.parent.iterdir() if f.is_file()) / 1e6
+            for mode in modes:
+                rows[form, mode] = measure(record, Path(tmp) / f"report-{form}-{mode}", mode)
+                r = rows[form, mode]
+                print(f"  {form} {mode}: {r['total_s']:.1f} s", flush=True)
+    if not rows:
+        return 0
+    print(next(iter(rows.values()))["shape"])
+    for (form, mode), r in rows.items():
         print(
-            f"  {form:>5}: record {sizes[form]:.0f} MB; load {r['load_s']:.1f} s, "
+            f"  {form:>5} {mode:>8}: record {sizes[form]:.0f} MB; load {r['load_s']:.1f} s, "
             f"findings {r['findings_s']:.1f} s, "
             f"report {r['report_s']:.1f} s, total {r['total_s']:.1f} s; peak RSS above the start: load "
-            f"+{r['load_peak_mb']:.0f} MB (the arrays: {r['arrays_mb']:.0f} MB), findings "
+            f"+{r['load_peak_mb']:.0f} MB (held after it: {r['arrays_mb']:.0f} MB), findings "
             f"+{r['findings_peak_mb']:.0f} MB, report +{r['report_peak_mb']:.0f} MB; top finding: {r['top']}"
         )
-    if "jsonl" in rows and "arrow" in rows:
-        j, a = rows["jsonl"], rows["arrow"]
-        ratios = [
-            f"record {sizes['arrow'] / sizes['jsonl']:.2f}",
-            f"load {a['load_s'] / j['load_s']:.2f}",
-            f"total {a['total_s'] / j['total_s']:.2f}",
-        ]
-        if (j["load_peak_mb"] or 0) >= 50:  # a ratio of two small peaks says nothing
-            ratios.append(f"load peak {a['load_peak_mb'] / j['load_peak_mb']:.2f}")
-        print("  arrow / jsonl: " + ", ".join(ratios))
+    for form in formats:
+        if (form, "streamed") in rows and (form, "loaded") in rows:
+            st, lo = rows[form, "streamed"], rows[form, "loaded"]
+            peak = max(st["load_peak_mb"] or 0, st["findings_peak_mb"] or 0, st["report_peak_mb"] or 0)
+            base = max(lo["load_peak_mb"] or 0, lo["findings_peak_mb"] or 0, lo["report_peak_mb"] or 0)
+            print(
+                f"  {form} streamed / loaded: total {st['total_s'] / lo['total_s']:.2f}, "
+                f"peak {peak / max(base, 1):.2f}"
+            )
+    if ("jsonl", modes[0]) in rows and ("arrow", modes[0]) in rows:
+        j, a = rows["jsonl", modes[0]], rows["arrow", modes[0]]
+        ratios = [f"record {sizes['arrow'] / sizes['jsonl']:.2f}", f"total {a['total_s'] / j['total_s']:.2f}"]
+        print(f"  arrow / jsonl ({modes[0]}): " + ", ".join(ratios))
     return 0
 
 

@@ -317,13 +317,14 @@ def _report(args: argparse.Namespace, trainer: Any, elapsed_s: float) -> None:
     else:
         print("  (no run record: the baseline strategy does not monitor)")
     if record_path.exists() and not args.no_diagnosis:
-        from pace_strategy.diagnose import DiagnosisConfig, diagnose, load_arrays
+        from pace_strategy.diagnose import DiagnosisConfig
+        from pace_strategy.diagnose.findings import diagnose_run
         from pace_strategy.diagnose.report import render_report
-        from pace_strategy.telemetry.arrays import DIAGNOSIS_SKIP
+        from pace_strategy.telemetry.arrays import load_lines
 
-        arrays = load_arrays(record_path, skip=DIAGNOSIS_SKIP)
-        diagnosis = diagnose(arrays)
-        report = render_report(arrays, diagnosis, log_dir / "pace_report", DiagnosisConfig())
+        lines = load_lines(record_path)  # its per-rank numbers read a block of steps at a time
+        diagnosis, digest = diagnose_run(lines)
+        report = render_report(lines, diagnosis, log_dir / "pace_report", DiagnosisConfig(), digest)
         print(f"\n  diagnosis: {diagnosis.summary}")
         print(f"  report            {report['html']}")
     if record_path.exists() and recipe_rebalances(args):

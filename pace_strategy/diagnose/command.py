@@ -19,8 +19,9 @@ from pace_strategy.telemetry.run_record import RunRecordError
 
 if TYPE_CHECKING:
     from pace_strategy.diagnose.config import DiagnosisConfig
+    from pace_strategy.diagnose.digest import RunDigest
     from pace_strategy.diagnose.result import Diagnosis
-    from pace_strategy.telemetry.arrays import RunArrays
+    from pace_strategy.telemetry.arrays import RunLines
 
 __all__ = ["build_parser", "main"]
 
@@ -91,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.compare:
             return _compare(args, cfg)
         started = time.monotonic()
-        arrays, result = _diagnose(args.run_dir, cfg, args.project_ranks)
+        arrays, result, digest = _diagnose(args.run_dir, cfg, args.project_ranks)
     except (RunRecordError, PacingConfigError, ValueError) as error:
         print(f"pace diagnose: error: {error}", file=sys.stderr)
         return 2
@@ -101,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pace_strategy.diagnose.report import render_report
 
         out_dir = Path(args.out) if args.out else _report_parent(arrays) / "pace_report"
-        paths = render_report(arrays, result, out_dir, cfg)
+        paths = render_report(arrays, result, out_dir, cfg, digest)
     if args.json:
         payload = result.to_dict()
         payload["run_record"] = str(arrays.path)
@@ -121,17 +122,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _diagnose(
     run_dirs: str | Sequence[str], cfg: DiagnosisConfig, ranks: Sequence[int]
-) -> tuple[RunArrays, Diagnosis]:
-    from pace_strategy.diagnose.findings import diagnose
-    from pace_strategy.telemetry.arrays import DIAGNOSIS_SKIP, load_timeline, timeline_records
+) -> tuple[RunLines, Diagnosis, RunDigest | None]:
+    """The run's lines (its per-rank numbers are read a block of steps at a time, never whole), its
+    diagnosis and the digest of its numbers."""
+    from pace_strategy.diagnose.findings import diagnose_run
+    from pace_strategy.telemetry.arrays import load_timeline_lines, timeline_records
 
-    arrays = load_timeline(
-        timeline_records([run_dirs] if isinstance(run_dirs, str) else run_dirs), skip=DIAGNOSIS_SKIP
-    )
-    return arrays, diagnose(arrays, cfg, project_ranks=ranks)
+    lines = load_timeline_lines(timeline_records([run_dirs] if isinstance(run_dirs, str) else run_dirs))
+    return lines, *diagnose_run(lines, cfg, project_ranks=ranks)
 
 
-def _report_parent(arrays: RunArrays) -> Path:
+def _report_parent(arrays: RunLines) -> Path:
     """Where the report goes by default: beside the record, or for a timeline of several records the
     directory that holds them all (e.g. ``lightning_logs``)."""
     if not arrays.segments:
@@ -173,8 +174,8 @@ def _text(result: Diagnosis) -> str:
 def _compare(args: argparse.Namespace, cfg: DiagnosisConfig) -> int:
     from pace_strategy.diagnose.compare import compare_dict, compare_text
 
-    arrays_a, a = _diagnose(args.compare[0], cfg, args.project_ranks)
-    arrays_b, b = _diagnose(args.compare[1], cfg, args.project_ranks)
+    arrays_a, a, _ = _diagnose(args.compare[0], cfg, args.project_ranks)
+    arrays_b, b, _ = _diagnose(args.compare[1], cfg, args.project_ranks)
     if args.json:
         payload: dict[str, Any] = compare_dict(str(arrays_a.path), a, str(arrays_b.path), b)
         print(json.dumps(payload, indent=2))

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from pace_strategy.diagnose.config import DiagnosisConfig
+from pace_strategy.diagnose.digest import RunDigest, digest_run
 from pace_strategy.diagnose.gc_checks import gc_pauses
 from pace_strategy.diagnose.group_checks import fabric_contention, sync_amplification
 from pace_strategy.diagnose.hang import hang_evidence_notes
@@ -28,13 +29,13 @@ from pace_strategy.diagnose.run_stats import (
     UNEXPLAINED_CONFIDENCE,
     RunStats,
 )
-from pace_strategy.telemetry.arrays import RunArrays, timeline_notes
+from pace_strategy.telemetry.arrays import RunLines, timeline_notes
 from pace_strategy.telemetry.run_record import arrival_of, hang_text
 
-__all__ = ["MODES", "Diagnosis", "Finding", "Mode", "diagnose", "projection_text"]
+__all__ = ["MODES", "Diagnosis", "Finding", "Mode", "diagnose", "diagnose_run", "projection_text"]
 
 
-def _restart_notes(a: RunArrays) -> list[str]:
+def _restart_notes(a: RunLines) -> list[str]:
     """An elastically restarted job: which attempt this record is, and how every attempt ended."""
     restarts = int(a.header.get("restart_count", 0))
     notes = []
@@ -56,8 +57,8 @@ def _restart_notes(a: RunArrays) -> list[str]:
 
 
 def _at_the_kept_split(
-    a: RunArrays, rebalanced: RebalanceOutcome, cfg: DiagnosisConfig, notes: list[str]
-) -> RunArrays:
+    a: RunLines, rebalanced: RebalanceOutcome, cfg: DiagnosisConfig, notes: list[str]
+) -> RunLines:
     """A rebalanced run is diagnosed at the split it kept: the steps before it hold the imbalance the
     split removed (the rebalanced note says what it cost and what was recovered), and read together
     with the rest they mix two different runs (a slow rank before, the remainder of whole quanta
@@ -77,15 +78,29 @@ def _at_the_kept_split(
 
 
 def diagnose(
-    a: RunArrays,
+    a: RunLines,
     cfg: DiagnosisConfig | None = None,
     *,
     project_ranks: Sequence[int] | None = DEFAULT_PROJECT_RANKS,
 ) -> Diagnosis:
     """All findings for a run, most costly first; ``healthy`` when there is nothing worth acting on.
 
-    Each finding is projected to every rank count of ``project_ranks`` (``None`` or empty: none).
+    ``a``: the run in memory (:class:`RunArrays`), or its lines (:class:`RunLines`, from
+    :func:`load_lines`), whose per-rank numbers are then read a block of steps at a time. Each
+    finding is projected to every rank count of ``project_ranks`` (``None`` or empty: none).
     """
+    return diagnose_run(a, cfg, project_ranks=project_ranks)[0]
+
+
+def diagnose_run(
+    a: RunLines,
+    cfg: DiagnosisConfig | None = None,
+    *,
+    project_ranks: Sequence[int] | None = DEFAULT_PROJECT_RANKS,
+) -> tuple[Diagnosis, RunDigest | None]:
+    """:func:`diagnose`, and the digest of the run's per-rank numbers it read (None: too few steps
+    or ranks to read them), of every step of ``a`` unless the diagnosis kept fewer (a rebalanced
+    run's kept split: then its ``steps`` is fewer than ``a``'s)."""
     cfg = cfg or DiagnosisConfig()
     notes = []
     if a.truncated:
@@ -125,8 +140,9 @@ def diagnose(
             stats={"steps": a.steps, "world_size": a.world_size},
             thresholds=cfg.to_dict(),
             notes=notes,
-        )
-    run = RunStats(a, cfg)
+        ), None
+    digest = digest_run(a, cfg)
+    run = RunStats(a, cfg, digest)
     findings: list[Finding] = []
     explained: set[int] = set()
     checks = (
@@ -191,11 +207,10 @@ def diagnose(
     projection: dict[str, Any] = {}
     if project_ranks:
         findings, meta = project(
-            a,
+            digest.sample,
             findings,
             project_ranks,
             steps=cfg.projection_steps,
-            calibration_steps=cfg.projection_calibration_steps,
             measured_lost_fraction=total_lost,
         )
         projection = meta.to_dict()
@@ -237,7 +252,7 @@ def diagnose(
         thresholds=cfg.to_dict(),
         notes=notes,
         projection=projection,
-    )
+    ), digest
 
 
 def _healthy(run: RunStats, total_lost: float, jitter: float) -> Finding:

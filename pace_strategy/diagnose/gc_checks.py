@@ -28,8 +28,8 @@ _STEP_MAJORITY = 0.5
 
 
 def gc_pauses(run: RunStats, explained: set[int]) -> list[Finding]:
-    a, cfg = run.a, run.cfg
-    if a.gc_ms is None or run.W < MIN_RANKS:
+    a, cfg, gc = run.a, run.cfg, run.digest.gc
+    if gc is None or run.W < MIN_RANKS:
         return []
     noise = run.noise_ms()
     costly = run.skew >= noise
@@ -38,13 +38,13 @@ def gc_pauses(run: RunStats, explained: set[int]) -> list[Finding]:
     rows = np.nonzero(costly)[0]
     late_rank = run.straggler[rows]
     # how much later than the other ranks' median the late rank arrived, and how much more of its
-    # step it spent in the collector than the others did
+    # step it spent in the collector than the others did (their median: a pause every rank took at
+    # the same step is not the late rank's own)
     late = np.clip((run.median_wait - run.transfer)[rows], 0.0, None)
-    own, others = _own_and_others(a.gc_ms, rows, late_rank)
-    excess = np.clip(own - np.nan_to_num(others), 0.0, None)
+    excess = np.clip(gc.own[rows] - gc.others[rows], 0.0, None)
     hidden = 0
-    if a.host_bound is not None:
-        bound = a.host_bound[rows, late_rank]
+    if run.digest.host_bound is not None:
+        bound = run.digest.host_bound[rows]
         hidden = int(((excess > 0) & ~bound).sum())
         excess = np.where(bound, excess, 0.0)  # a pause the device's lag hid explains nothing
     covered = np.minimum(excess, late)
@@ -56,14 +56,14 @@ def gc_pauses(run: RunStats, explained: set[int]) -> list[Finding]:
     mask[rows[by_gc]] = True
     ranks = sorted({int(r) for r in late_rank[by_gc]})
     # the pauses longer than noise, of every rank in every step; the longest pause
-    paused, longest = _pauses(a.gc_ms, noise)
+    paused, longest = gc.pauses, gc.longest
     per_1000 = 1000.0 * len(paused) / (run.S * run.W)
     p99 = float(np.percentile(paused, GC_PAUSE_PERCENTILE)) if len(paused) else 0.0
     lost = run.lost_when(mask)
     explained.update(ranks)
     collections = (
-        f"; {_total(a.gc_collections) / (run.S * run.W):.1f} collections (any generation) per step per rank"
-        if a.gc_collections is not None
+        f"; {gc.collections / (run.S * run.W):.1f} collections (any generation) per step per rank"
+        if gc.collections is not None
         else ""
     )
     return [
@@ -101,44 +101,6 @@ def gc_pauses(run: RunStats, explained: set[int]) -> list[Finding]:
             },
         )
     ]
-
-
-# The run-wide [steps, ranks] work a block of steps at a time (np.nan_to_num(gc_ms) alone is a copy
-# of the whole run: 819 MB at 100k steps x 1,024 ranks); every number is the same.
-_ROWS = 4096
-
-
-def _own_and_others(
-    gc_ms: np.ndarray, rows: np.ndarray, late_rank: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """On the steps ``rows``: the late rank's GC time, and the median GC time of the other ranks.
-
-    (Until this was taken a block of steps at a time, the others' median was ``np.median`` of a row
-    whose late-rank entry was NaN: always NaN, read as 0, so a pause every rank took at the same step
-    counted in full as the late rank's own.)"""
-    own, others = np.empty(len(rows)), np.empty(len(rows))
-    for i in range(0, len(rows), _ROWS):
-        block = np.nan_to_num(gc_ms[rows[i : i + _ROWS]])
-        late = late_rank[i : i + _ROWS]
-        own[i : i + _ROWS] = block[np.arange(len(late)), late]
-        block[np.arange(len(late)), late] = np.nan
-        others[i : i + _ROWS] = np.nanmedian(block, axis=1)
-    return own, others
-
-
-def _pauses(gc_ms: np.ndarray, noise: float) -> tuple[np.ndarray, float]:
-    """Every GC time of at least ``noise`` (any order), and the longest GC time (0 for none)."""
-    paused, longest = [], 0.0
-    for i in range(0, len(gc_ms), _ROWS):
-        block = np.nan_to_num(gc_ms[i : i + _ROWS])
-        paused.append(block[block >= noise])
-        longest = max(longest, float(block.max())) if block.size else longest
-    return (np.concatenate(paused) if paused else np.zeros(0)), longest
-
-
-def _total(counts: np.ndarray) -> float:
-    """The sum of a run's per-rank counts (NaN as 0), a block at a time: whole numbers, so exact."""
-    return float(sum(float(np.nan_to_num(counts[i : i + _ROWS]).sum()) for i in range(0, len(counts), _ROWS)))
 
 
 def _action(run: RunStats, synced: bool) -> str:

@@ -23,9 +23,6 @@ __all__ = ["JitterFloor", "expected_max_normal", "jitter_floor"]
 
 #: MAD -> standard deviation of a normal distribution
 _MAD_TO_SD = 1.4826
-#: rows sampled for the MAD (plenty for a median; a fixed seed keeps the report reproducible)
-_SAMPLE_STEPS = 20_000
-_SEED = 0
 #: integration grid of the order statistic, in standard deviations
 _GRID = np.linspace(-9.0, 9.0, 3601)
 
@@ -61,7 +58,8 @@ class JitterFloor:
 
 
 def jitter_floor(wait: np.ndarray, step_ms: np.ndarray) -> JitterFloor:
-    """The noise floor of a run from its waits (``[steps, ranks]``) and step times (``[steps]``).
+    """The noise floor of a run from its waits (``[steps, ranks]``: every step's, or a sample of
+    steps, :func:`pace_strategy.diagnose.digest.floor_rows`) and step times (``[steps]``, every step).
 
     A rank's arrival relative to the step's mean arrival is ``mean(wait) - wait_r``; its own median
     over steps (a persistent offset, which is a finding, not jitter) is removed; the MAD of the rest,
@@ -70,12 +68,8 @@ def jitter_floor(wait: np.ndarray, step_ms: np.ndarray) -> JitterFloor:
     """
     steps, ranks = wait.shape
     if ranks < 2 or steps == 0:
-        return JitterFloor(ranks, 0.0, 0.0, float(step_ms.mean()) if steps else 0.0)
-    if steps > _SAMPLE_STEPS:
-        rows = np.sort(np.random.default_rng(_SEED).choice(steps, size=_SAMPLE_STEPS, replace=False))
-        w = wait[rows]
-    else:
-        w = wait
+        return JitterFloor(ranks, 0.0, 0.0, float(step_ms.mean()) if len(step_ms) else 0.0)
+    w = wait
     # In place where the values allow: at 20,000 sampled steps x 8,192 ranks every [steps, ranks]
     # temporary is 1.3 GB (and, first touched, slow to page in); the numbers are the same.
     late = w.mean(axis=RANK_AXIS, keepdims=True) - w

@@ -62,26 +62,21 @@ class Projection:
         return dataclasses.asdict(self)
 
 
-def _subsample(a: RunArrays, rows: int) -> RunArrays:
-    if a.steps <= rows:
-        return a
-    return a.select(np.sort(np.random.default_rng(_SEED).choice(a.steps, size=rows, replace=False)))
-
-
 def project(
-    a: RunArrays,
+    sample: RunArrays,
     findings: Sequence[Any],
     ranks: Sequence[int],
     *,
     steps: int,
-    calibration_steps: int,
     measured_lost_fraction: float,
 ) -> tuple[list[Any], Projection]:
-    """``findings`` with their ``projection`` filled in for every rank count of ``ranks``."""
+    """``findings`` with their ``projection`` filled in for every rank count of ``ranks``, the
+    simulator calibrated on ``sample``: the run's steps, or a seeded sample of them
+    (``projection_calibration_steps``, :func:`pace_strategy.diagnose.digest.sample_rows`)."""
     from pace_strategy.sim.calibrate import fit, predict, ring_factor
 
     started = time.monotonic()
-    cal = fit(_subsample(a, calibration_steps))
+    cal = fit(sample)
     sizes = sorted({int(r) for r in ranks if int(r) >= 1})
 
     def run(n: int, fixed: Sequence[int] = ()) -> Any:

@@ -56,8 +56,9 @@ def data_stall(run: RunStats, explained: set[int]) -> list[Finding]:
         mask = run.straggler == r
         if run.share[r] < cfg.data_straggler_share or mask.sum() < cfg.data_straggler_steps:
             continue
-        late = run.late_ms([r], mask)
-        excess = run.a.data[mask, r] - run.others_median(run.a.data, [r], mask)
+        late = run.late_ms(mask)
+        own, others = run.own("data", mask), run.others("data", mask)
+        excess = own - others
         explained_share = float(np.median(np.clip(excess, 0, None) / np.maximum(late, EPSILON)))
         if np.median(excess) >= noise and explained_share >= cfg.data_share:
             explained.add(r)
@@ -71,8 +72,8 @@ def data_stall(run: RunStats, explained: set[int]) -> list[Finding]:
                     evidence=(
                         f"{run.a.describe_rank(r)} arrived last in {pct(float(run.share[r]))} of "
                         f"{run.S:,} steps, {np.median(late):.1f} ms late at the median; in those steps it "
-                        f"waited {np.median(run.a.data[mask, r]):.1f} ms for its input against "
-                        f"{np.median(run.others_median(run.a.data, [r], mask)):.1f} ms for the other ranks"
+                        f"waited {np.median(own):.1f} ms for its input against "
+                        f"{np.median(others):.1f} ms for the other ranks"
                     ),
                     action=(
                         "the input pipeline of this rank is the bottleneck: more DataLoader workers, "
@@ -100,7 +101,7 @@ def locality(run: RunStats, explained: set[int]) -> list[Finding]:
         if share >= cfg.locality_share and len(members) >= MIN_PLACES and spread >= MIN_PLACES:
             mask = np.isin(run.straggler, members)
             explained.update(members)
-            excess = float(np.median(run.late_ms(members, mask)))
+            excess = float(np.median(run.group_late_ms(mask)))
             out.append(
                 Finding(
                     mode=Mode.LOCALITY,
@@ -182,12 +183,11 @@ def persistent_or_late_start(run: RunStats, explained: set[int]) -> list[Finding
         mask = run.straggler == r
         if r in explained or not mask.any():
             continue
-        late_steps = run.late_ms([r], mask)
+        late_steps = run.late_ms(mask)
         weights = np.clip(late_steps, 0.0, None)
-        compute_excess = run.a.compute[mask, r] - run.others_median(run.a.compute, [r], mask)
-        own_between, loop = run.between_steps(mask)
-        own_excess = own_between[:, r] - run.others_median(own_between, [r])
-        loop_excess = loop[:, r] - run.others_median(loop, [r])
+        compute_excess = run.own("compute", mask) - run.others("compute", mask)
+        own_excess = run.own("between", mask) - run.others("between", mask)
+        loop_excess = run.own("loop", mask) - run.others("loop", mask)
         loss_share = float(run.lost_per_step[mask].sum()) / total_lost if total_lost > 0 else 0.0
         median_late, weighted_late = float(np.median(late_steps)), _weighted(late_steps, weights)
         steady = (
@@ -235,6 +235,7 @@ def persistent_or_late_start(run: RunStats, explained: set[int]) -> list[Finding
         else:
             cause = ""
         if cause:
+            per_sample = per_sample_text(run.digest.sample, r, mask[run.digest.sample_rows])
             out.append(
                 _rank_finding(
                     run,
@@ -242,7 +243,7 @@ def persistent_or_late_start(run: RunStats, explained: set[int]) -> list[Finding
                     r,
                     mask,
                     confidence=max(float(run.share[r]), loss_share) if tail else float(run.share[r]),
-                    evidence=f"{head}; {cause}{per_sample_text(run.a, r, mask)}",
+                    evidence=f"{head}; {cause}{per_sample}",
                     action=_straggler_action(run, tail),
                     details=details,
                 )

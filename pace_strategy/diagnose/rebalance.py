@@ -10,7 +10,7 @@ import numpy as np
 
 from pace_strategy.core.config import recorded_switch
 from pace_strategy.diagnose.result import pct
-from pace_strategy.telemetry.arrays import RunArrays
+from pace_strategy.telemetry.arrays import RunArrays, RunLines
 
 __all__ = ["RebalanceOutcome", "per_sample_text", "rebalance_outcome"]
 
@@ -74,7 +74,7 @@ class RebalanceOutcome:
         return {**asdict(self), "recovered_fraction": self.recovered_fraction}
 
 
-def rebalance_outcome(a: RunArrays) -> RebalanceOutcome | None:
+def rebalance_outcome(a: RunLines) -> RebalanceOutcome | None:
     """The run's rebalancing, or ``None`` when it was off and left no ``shares`` line."""
     enabled = recorded_switch(a.header.get("config"), "rebalance")
     lines = a.shares

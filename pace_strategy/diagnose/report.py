@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 
-from pace_strategy.core.glossary import lead_ms, skew_ms, straggler_rank, transfer_ms
 from pace_strategy.diagnose.config import DiagnosisConfig
+from pace_strategy.diagnose.digest import RunDigest, digest_run
 from pace_strategy.diagnose.result import Diagnosis, projection_text
-from pace_strategy.telemetry.arrays import RANK_AXIS, RunArrays
+from pace_strategy.telemetry.arrays import RunLines
 
 __all__ = ["PLOTS", "render_report"]
 
@@ -45,7 +45,7 @@ def index_bars(ax: Any, values: list[float], label: str) -> None:
     ax.set_xlabel(label)
 
 
-def _figures(a: RunArrays, cfg: DiagnosisConfig, diagnosis: Diagnosis) -> dict[str, bytes]:
+def _figures(a: RunLines, cfg: DiagnosisConfig, diagnosis: Diagnosis, digest: RunDigest) -> dict[str, bytes]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,8 +53,7 @@ def _figures(a: RunArrays, cfg: DiagnosisConfig, diagnosis: Diagnosis) -> dict[s
 
     out: dict[str, bytes] = {}
     steps = a.step
-    transfer = transfer_ms(a.wait, RANK_AXIS)
-    skew = skew_ms(a.wait, RANK_AXIS)
+    transfer, skew = digest.transfer, digest.skew
 
     def save(name: str, fig: Any) -> None:
         buf = io.BytesIO()
@@ -74,27 +73,13 @@ def _figures(a: RunArrays, cfg: DiagnosisConfig, diagnosis: Diagnosis) -> dict[s
     ax.legend(loc="upper right")
     save("skew", fig)
 
-    # ranks x steps, grouped by node; aggregated by node for very many ranks
+    # ranks x steps, grouped by node; aggregated by node for very many ranks (each node's mean lead
+    # from its own ranks' waits), binned over steps as _bin_steps bins: the digest's
+    binned, labels = digest.heat, digest.heat_labels
     nodes = [str(n) for n in a.topology("node_rank")]
-    local = [x if x is not None else r for r, x in enumerate(a.topology("local_rank"))]
-    order = sorted(range(a.world_size), key=lambda r: (nodes[r], local[r], r))
-    labels = [f"r{r}" for r in order]
-    if a.world_size > cfg.max_heatmap_rows:
-        groups: dict[str, list[int]] = {}
-        for r in order:
-            groups.setdefault(nodes[r], []).append(r)
-        # each node's mean lead from its own ranks' waits: no [steps, ranks] leads for the whole run
-        # (the same numbers: a lead is the wait less the step's smallest wait)
-        matrix = np.stack(
-            [(a.wait[:, ranks] - transfer[:, None]).mean(axis=1) for ranks in groups.values()], axis=1
-        )
-        labels = [f"node {n}" for n in groups]
-    else:
-        matrix = lead_ms(a.wait, RANK_AXIS)[:, order]
-    _, binned = _bin_steps(matrix, cfg.max_heatmap_columns)
     fig, ax = plt.subplots(figsize=(9, max(2.5, min(8.0, 0.25 * len(labels) + 1.5))))
     im = ax.imshow(binned.T, aspect="auto", interpolation="nearest", cmap="viridis")
-    ax.set_xlabel("step" if binned.shape[0] == matrix.shape[0] else f"step bin ({matrix.shape[0]} steps)")
+    ax.set_xlabel(f"step bin ({digest.steps} steps)" if digest.heat_binned else "step")
     if len(labels) <= 40:
         ax.set_yticks(range(len(labels)), labels)
     ax.set_ylabel("rank (grouped by node)" if len(labels) == a.world_size else "node (mean over its ranks)")
@@ -102,7 +87,7 @@ def _figures(a: RunArrays, cfg: DiagnosisConfig, diagnosis: Diagnosis) -> dict[s
     fig.colorbar(im, ax=ax, label="lead ms")
     save("lead_heatmap", fig)
 
-    counts = np.bincount(straggler_rank(a.wait, RANK_AXIS), minlength=a.world_size) / max(a.steps, 1)
+    counts = np.bincount(digest.straggler, minlength=a.world_size) / max(a.steps, 1)
     fig, ax = plt.subplots(figsize=(9, 3))
     if a.world_size > cfg.max_heatmap_rows:
         per_node: dict[str, float] = {}
@@ -173,10 +158,22 @@ def _assumption(diagnosis: Diagnosis) -> str:
     )
 
 
-def render_report(a: RunArrays, diagnosis: Diagnosis, out_dir: Path, cfg: DiagnosisConfig) -> dict[str, Path]:
-    """Write the PNG plots, ``report.html`` (self-contained) and ``report.md`` into ``out_dir``."""
+def render_report(
+    a: RunLines,
+    diagnosis: Diagnosis,
+    out_dir: Path,
+    cfg: DiagnosisConfig,
+    digest: RunDigest | None = None,
+) -> dict[str, Path]:
+    """Write the PNG plots, ``report.html`` (self-contained) and ``report.md`` into ``out_dir``.
+
+    ``digest``: the digest of every step of ``a`` (:func:`~pace_strategy.diagnose.findings.
+    diagnose_run` gives it); without it, or of fewer steps (a rebalanced run diagnosed at its kept
+    split), the run's per-rank numbers are read again."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    figures = _figures(a, cfg, diagnosis)
+    if digest is None or digest.steps != a.steps:
+        digest = digest_run(a, cfg)
+    figures = _figures(a, cfg, diagnosis, digest)
     paths: dict[str, Path] = {}
     for name, png in figures.items():
         path = out_dir / f"{name}.png"

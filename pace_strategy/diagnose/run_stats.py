@@ -3,16 +3,14 @@ checks share (structural minimums, confidences, quoted percentiles)."""
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
-from pace_strategy.core.glossary import lead_ms, skew_ms, straggler_rank, transfer_ms
 from pace_strategy.diagnose.config import DiagnosisConfig
+from pace_strategy.diagnose.digest import GROWTH_SAMPLE_STEPS, GROWTH_SEED, RunDigest, digest_run, noise_ms
 from pace_strategy.diagnose.hosts import HostLoad, host_loads
 from pace_strategy.diagnose.noise import jitter_floor
 from pace_strategy.diagnose.result import Finding, Mode
-from pace_strategy.telemetry.arrays import RANK_AXIS, RunArrays
+from pace_strategy.telemetry.arrays import RunLines
 
 __all__ = [
     "AMPLIFICATION_BASE_CONFIDENCE",
@@ -73,16 +71,6 @@ TRANSFER_FLOOR_PERCENTILE = 5
 # (a sample is plenty for a mean, and the seed keeps the report reproducible).
 GROWTH_RANK_COUNTS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
-GROWTH_SAMPLE_STEPS = 5000
-
-GROWTH_SEED = 0
-
-#: steps a run-wide [steps, ranks] intermediate is computed over at a time (4,096 x 1,024 ranks: 32 MB)
-_ROWS = 4096
-
-#: ranks a per-rank statistic over the run is computed for at a time
-_COLUMNS = 128
-
 EPSILON = 1e-9  #: keeps ratios finite where a denominator (ms or share) is zero
 
 #: a straggler whose median lateness is at least this fraction of its wait-weighted mean lateness is
@@ -90,49 +78,32 @@ EPSILON = 1e-9  #: keeps ratios finite where a denominator (ms or share) is zero
 STEADY_MEDIAN_FRACTION = 0.5
 
 
-def _rows_median(x: np.ndarray, rows: np.ndarray | None = None, cols: np.ndarray | None = None) -> np.ndarray:
-    """``np.median(x[rows][:, cols], axis=1)`` (``None``: every row, every column), a block of rows
-    at a time: each block is copied once and partitioned in place, so the whole selection is never
-    held (a row's median is the same whichever rows it is computed with)."""
-    rows = np.arange(len(x)) if rows is None else rows
-    out = np.empty(len(rows))
-    for i in range(0, len(rows), _ROWS):
-        block = x[rows[i : i + _ROWS]] if cols is None else x[np.ix_(rows[i : i + _ROWS], cols)]
-        out[i : i + _ROWS] = np.median(block, axis=1, overwrite_input=True)
-    return out
-
-
 class RunStats:
-    """Derived per-step quantities shared by the checks."""
+    """Derived per-step quantities shared by the checks: the run's lines (``a``) and what its
+    per-rank numbers reduce to (``digest``, :mod:`pace_strategy.diagnose.digest`; read here when
+    not given)."""
 
-    def __init__(self, a: RunArrays, cfg: DiagnosisConfig) -> None:
-        self.a, self.cfg = a, cfg
+    def __init__(self, a: RunLines, cfg: DiagnosisConfig, digest: RunDigest | None = None) -> None:
+        digest = digest if digest is not None else digest_run(a, cfg)
+        self.a, self.cfg, self.digest = a, cfg, digest
         self.W = a.world_size
         self.S = a.steps
-        w = a.wait
-        self.transfer = transfer_ms(w, RANK_AXIS)
-        self.straggler = straggler_rank(w, RANK_AXIS)
+        self.transfer = digest.transfer
+        self.straggler = digest.straggler
         self.counts = np.bincount(self.straggler, minlength=self.W)
         self.share = self.counts / max(self.S, 1)
-        self.median_wait = _rows_median(w)
-        #: [S] the ranks' mean lead: what the step lost waiting. Rows at a time: the [S, W] leads are
-        #: never held whole (a row's mean is the same whichever rows it is computed with)
-        self.lost_per_step = (
-            np.concatenate(
-                [lead_ms(w[i : i + _ROWS], RANK_AXIS).mean(axis=1) for i in range(0, self.S, _ROWS)]
-            )
-            if self.S
-            else np.zeros(0)
-        )
+        self.median_wait = digest.median_wait
+        #: [S] the ranks' mean lead: what the step lost waiting
+        self.lost_per_step = digest.lost
         self.total_step = float(a.step_ms.sum())
         self.median_step = float(np.median(a.step_ms))
-        self.skew = skew_ms(w, RANK_AXIS)
+        self.skew = digest.skew
         self.hosts = [str(h) if h is not None else "?" for h in a.topology("host")]
         nodes = a.topology("node_rank")
         self.nodes = [n if n is not None and n >= 0 else self.hosts[r] for r, n in enumerate(nodes)]
         local = a.topology("local_rank")
         self.local = [x if x is not None and x >= 0 else -1 for x in local]
-        self.floor = jitter_floor(w, a.step_ms)
+        self.floor = jitter_floor(digest.floor_wait, a.step_ms)
         self.crowded: list[HostLoad] = [
             h for h in host_loads(list(a.header.get("topology", []))) if h.ratio > cfg.busy_threads_per_core
         ]
@@ -147,51 +118,37 @@ class RunStats:
         #: the whole run's waiting count only the rest
         self.accounted_lost = 0.0
         self.accounted_floor = 0.0
-        # The gap before step k (its previous collective's completion to its start) holds the rank's
-        # optimizer step of step k-1 (``opt``, where recorded) and its input (``data``), its own work,
-        # and the framework's loop between steps, where a framework may run a collective of its own
-        # (Lightning broadcasts from rank 0 every step): the one part a slower network path can make
-        # late. Records without ``opt_ms`` count the whole gap beyond the input as that loop.
-        # (:meth:`between_steps`: for the steps a check reads, not [S, W] arrays of the whole run.)
 
-    def between_steps(self, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """On the masked steps (``[S]`` bool), ``[steps, ranks]``: each rank's own work between steps
-        (its previous optimizer step and its input), and the rest of the gap (the framework's loop
-        between steps and its collectives)."""
-        rows = np.nonzero(mask)[0]
-        a = self.a
-        # the optimizer step of the step before (the first step's own for step 0: none came before)
-        opt_prev = a.opt[np.maximum(rows - 1, 0)] if a.opt is not None else np.zeros((len(rows), self.W))
-        own = opt_prev + a.data[rows]
-        return own, np.clip(a.gap[rows] - own, 0.0, None)
+    def own(self, field: str, mask: np.ndarray) -> np.ndarray:
+        """On the masked steps, the straggler's ``field``: ``compute``, ``data``, ``between`` (its own
+        work between steps: the optimizer step of the step before, where recorded, and its input) or
+        ``loop`` (the rest of the gap before the step: the framework's loop between steps, where a
+        framework may run a collective of its own, e.g. Lightning's broadcast from rank 0, and the
+        one part a slower network path can make late)."""
+        return self.digest.own[field][mask]
 
-    @functools.cached_property
+    def others(self, field: str, mask: np.ndarray) -> np.ndarray:
+        """On the masked steps, the median of ``field`` over the ranks but the straggler (a field of
+        :meth:`own`, or ``wait``)."""
+        return self.digest.others[field][mask]
+
+    @property
     def compute_spread(self) -> tuple[np.ndarray, np.ndarray]:
-        """Each rank's compute time over the run: its standard deviation and mean (``[W]`` each, ms),
-        a block of ranks at a time (``compute.std(axis=0)`` holds a [steps, ranks] temporary: 819 MB
-        at 100k steps x 1,024 ranks; a column's numbers are the same either way)."""
-        c = self.a.compute
-        blocks = range(0, self.W, _COLUMNS)
-        std = np.concatenate([c[:, i : i + _COLUMNS].std(axis=0) for i in blocks]) if self.W else np.zeros(0)
-        mean = (
-            np.concatenate([c[:, i : i + _COLUMNS].mean(axis=0) for i in blocks]) if self.W else np.zeros(0)
-        )
-        return std, mean
+        """Each rank's compute time over the run: its standard deviation and mean (``[W]`` each, ms)."""
+        return self.digest.compute_std, self.digest.compute_mean
 
-    def others_median(self, x: np.ndarray, ranks: list[int], mask: np.ndarray | None = None) -> np.ndarray:
-        """Per step (per masked step, with ``mask``), the median of ``x`` over the ranks not in
-        ``ranks``. The mask goes first: a check that asks this of every rank for the steps it was
-        last in then does W medians of its own steps, not W medians of the whole run."""
-        keep = np.ones(self.W, dtype=bool)
-        keep[ranks] = False
-        return _rows_median(x, None if mask is None else np.nonzero(mask)[0], np.nonzero(keep)[0])
-
-    def late_ms(self, ranks: list[int], mask: np.ndarray) -> np.ndarray:
+    def late_ms(self, mask: np.ndarray) -> np.ndarray:
         """How much later than the other ranks' median the straggler arrived, on the masked steps."""
-        return self.others_median(self.a.wait, ranks, mask) - self.transfer[mask]
+        return self.others("wait", mask) - self.transfer[mask]
+
+    def group_late_ms(self, mask: np.ndarray) -> np.ndarray:
+        """How much later than the median of the ranks outside its local-index group the straggler
+        arrived, on the masked steps (local indices recorded)."""
+        assert self.digest.local_others_wait is not None
+        return self.digest.local_others_wait[mask] - self.transfer[mask]
 
     def noise_ms(self) -> float:
-        return max(self.cfg.slow_ms_floor, self.cfg.slow_step_fraction * self.median_step)
+        return noise_ms(self.cfg, self.median_step)
 
     def lost_when(self, mask: np.ndarray) -> float:
         return float(self.lost_per_step[mask].sum()) / self.total_step if self.total_step > 0 else 0.0

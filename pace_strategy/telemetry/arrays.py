@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -23,14 +23,22 @@ from pace_strategy.telemetry.run_record import (
 )
 
 __all__ = [
+    "BLOCK_FIELDS",
     "DIAGNOSIS_SKIP",
+    "OPTIONAL_BLOCK_FIELDS",
     "RANK_AXIS",
+    "RowSource",
     "RunArrays",
+    "RunLines",
     "find_run_record",
     "load_arrays",
+    "load_lines",
     "load_timeline",
+    "load_timeline_lines",
     "timeline_records",
 ]
+
+_Run = TypeVar("_Run", bound="RunLines")
 
 #: per-rank arrays are ``[steps, ranks]``: the axis the glossary functions reduce over
 RANK_AXIS = 1
@@ -47,9 +55,41 @@ DIAGNOSIS_SKIP = ("rank_step", "delay")
 _OPTIONAL_RANK_FIELDS = ("gc_ms", "gc_collections", "samples", "opt_ms")
 
 
-@dataclass
-class RunArrays:
-    """Post-warm-up, valid steps of one run. Per-rank arrays are ``[steps, ranks]`` float64, ms."""
+#: the per-rank fields :meth:`RunLines.rank_blocks` yields: the :class:`RunArrays` attribute and the
+#: record's name
+BLOCK_FIELDS = {
+    "wait": "wait_ms",
+    "compute": "compute_ms",
+    "data": "data_ms",
+    "gap": "gap_ms",
+    "opt": "opt_ms",
+    "gc_ms": "gc_ms",
+    "gc_collections": "gc_collections",
+    "samples": "samples",
+    "host_bound": "host_bound",
+}
+#: of those, the ones a block leaves out where some of its steps lack them (or, in a columnar file,
+#: hold a null)
+OPTIONAL_BLOCK_FIELDS = ("opt", "gc_ms", "gc_collections", "samples")
+#: numbers per block of :meth:`RunLines.rank_blocks` (steps x ranks): 4 Mi (32 MB a float64 field)
+_BLOCK_NUMBERS = 1 << 22
+
+
+@dataclass(frozen=True)
+class RowSource:
+    """Where one record's per-rank numbers are: its file, its columnar files (``None``: in its step
+    lines), and which of its step lines are kept (warm-up and invalid steps are not)."""
+
+    path: Path
+    columnar: list[tuple[str, list[int]]] | None
+    kept: np.ndarray  #: indices of the kept steps among the record's step lines, ascending
+
+
+@dataclass(kw_only=True)
+class RunLines:
+    """Post-warm-up, valid steps of one run: every line of its record but the per-rank numbers,
+    which :meth:`rank_blocks` reads a block of steps at a time (the memory of a block, not the run:
+    ``pace diagnose`` reads 100k steps x 8,192 ranks this way)."""
 
     path: Path
     header: dict[str, Any]
@@ -57,28 +97,11 @@ class RunArrays:
     truncated: bool
     total_steps: int  #: every step line in the record, warm-up and invalid included
     step: np.ndarray  #: [S] global step
-    wait: np.ndarray
-    compute: np.ndarray
-    data: np.ndarray
-    gap: np.ndarray
     step_ms: np.ndarray  #: [S] slowest rank's step time
     pacing_active: np.ndarray  #: [S] bool
     decisions: list[dict[str, Any]]
-    #: [S, ranks] pacing delay each rank applied; None: not loaded (:func:`load_arrays`'s ``skip``)
-    delay: np.ndarray | None = None
     #: [S] the largest delay of the step (the step lines' ``delay_ms_max``; NaN where not written)
     delay_max: np.ndarray | None = None
-    #: [S, ranks] each rank's own step time; None: not loaded (:func:`load_arrays`'s ``skip``)
-    rank_step: np.ndarray | None = None
-    gc_ms: np.ndarray | None = None  #: [S, ranks] time in the garbage collector; None: not recorded
-    gc_collections: np.ndarray | None = None  #: [S, ranks] collections per step; None: not recorded
-    #: [S, ranks] samples each rank trained on (0: not reported); None: not recorded
-    samples: np.ndarray | None = None
-    #: [S, ranks] collective completion -> step end (optimizer step, hooks); None: not recorded
-    opt: np.ndarray | None = None
-    #: ``[steps, ranks]`` bool: the host was the bottleneck of the step on that rank (its device had
-    #: reached the arrival when the host ended the step); all true on CPU and in older records
-    host_bound: np.ndarray | None = None
     shares: list[dict[str, Any]] = field(default_factory=list)  #: the record's ``shares`` lines
     hangs: list[dict[str, Any]] = field(default_factory=list)  #: the record's ``hang`` lines
     #: every attempt of an elastically restarted job whose record lies beside this one (this one
@@ -87,32 +110,35 @@ class RunArrays:
     #: a run and its resumptions read as one timeline (:func:`load_timeline`): one entry per record,
     #: oldest first (path, status, steps, first/last step, the resume line); empty for one record
     segments: list[dict[str, Any]] = field(default_factory=list)
+    #: where the steps' per-rank numbers are read from, one entry per record of the timeline
+    sources: list[RowSource] = field(default_factory=list)
+    #: the steps kept by :meth:`select`, as indices among the sources' kept steps (None: all)
+    rows: np.ndarray | None = None
 
     @property
     def world_size(self) -> int:
         return int(self.header["world_size"])
 
-    def select(self, keep: np.ndarray) -> RunArrays:
+    @property
+    def steps(self) -> int:
+        return int(self.step.shape[0])
+
+    def select(self: _Run, keep: np.ndarray) -> _Run:
         """The same run restricted to the steps where ``keep`` (``[S]`` bool, or step indices) holds:
         every per-step array, the optional ones included; the record's lines stay whole."""
         per_step = {
             f.name: getattr(self, f.name)[keep]
             for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), np.ndarray)
+            if isinstance(getattr(self, f.name), np.ndarray) and f.name != "rows"
         }
-        return dataclasses.replace(self, **per_step)
+        rows = (np.arange(self.steps) if self.rows is None else self.rows)[keep]
+        return dataclasses.replace(self, **per_step, rows=rows)
 
     @property
     def step_delay_max(self) -> np.ndarray:
-        """``[S]`` each step's largest pacing delay, ms: from the per-rank delays when loaded, else
-        the step lines' ``delay_ms_max`` (0 where neither says)."""
-        if self.delay is not None:
-            return self.delay.max(axis=1) if self.delay.size else np.zeros(self.steps)
+        """``[S]`` each step's largest pacing delay, ms: the step lines' ``delay_ms_max`` (0 where
+        they do not say)."""
         return np.nan_to_num(self.delay_max) if self.delay_max is not None else np.zeros(self.steps)
-
-    @property
-    def steps(self) -> int:
-        return int(self.step.shape[0])
 
     def topology(self, key: str) -> list[Any]:
         """One topology field per rank (``host``, ``node_rank``, ``local_rank`` ...)."""
@@ -124,6 +150,136 @@ class RunArrays:
         parts = [f"host {host}" if host else None, f"local rank {local}" if local is not None else None]
         inner = ", ".join(p for p in parts if p)
         return f"rank {rank} ({inner})" if inner else f"rank {rank}"
+
+    def block_steps(self) -> int:
+        """Steps per block of :meth:`rank_blocks`."""
+        return max(1, _BLOCK_NUMBERS // max(self.world_size, 1))
+
+    def rank_blocks(self) -> Iterator[dict[str, np.ndarray]]:
+        """The steps' per-rank numbers, in order, a block of steps at a time: ``[block steps, ranks]``
+        arrays by :data:`BLOCK_FIELDS` name (float64, ms; ``host_bound`` bool), the numbers
+        :func:`load_arrays` would hold in the same rows. A block leaves out each field of
+        :data:`OPTIONAL_BLOCK_FIELDS` that some of its steps lack."""
+        wanted = np.arange(self.steps) if self.rows is None else np.asarray(self.rows)
+        offset = 0
+        for source in self.sources:
+            n = len(source.kept)
+            mine = wanted[(wanted >= offset) & (wanted < offset + n)] - offset
+            offset += n
+            if len(mine):
+                yield from _source_blocks(source, self.world_size, source.kept[mine], self.block_steps())
+
+
+@dataclass(kw_only=True)
+class RunArrays(RunLines):
+    """A run's lines and its per-rank numbers in memory: ``[steps, ranks]`` float64 arrays, ms."""
+
+    wait: np.ndarray
+    compute: np.ndarray
+    data: np.ndarray
+    gap: np.ndarray
+    #: [S, ranks] pacing delay each rank applied; None: not loaded (:func:`load_arrays`'s ``skip``)
+    delay: np.ndarray | None = None
+    #: [S, ranks] each rank's own step time; None: not loaded (:func:`load_arrays`'s ``skip``)
+    rank_step: np.ndarray | None = None
+    gc_ms: np.ndarray | None = None  #: [S, ranks] time in the garbage collector; None: not recorded
+    gc_collections: np.ndarray | None = None  #: [S, ranks] collections per step; None: not recorded
+    #: [S, ranks] samples each rank trained on (0: not reported); None: not recorded
+    samples: np.ndarray | None = None
+    #: [S, ranks] collective completion -> step end (optimizer step, hooks); None: not recorded
+    opt: np.ndarray | None = None
+    #: ``[steps, ranks]`` bool: the host was the bottleneck of the step on that rank (its device had
+    #: reached the arrival when the host ended the step); all true on CPU and in older records
+    host_bound: np.ndarray | None = None
+
+    @property
+    def step_delay_max(self) -> np.ndarray:
+        """``[S]`` each step's largest pacing delay, ms: from the per-rank delays when loaded, else
+        the step lines' ``delay_ms_max`` (0 where neither says)."""
+        if self.delay is not None:
+            return self.delay.max(axis=1) if self.delay.size else np.zeros(self.steps)
+        return super().step_delay_max
+
+    def rank_blocks(self) -> Iterator[dict[str, np.ndarray]]:
+        """As :meth:`RunLines.rank_blocks`, views of the arrays held."""
+        held = {k: getattr(self, k) for k in BLOCK_FIELDS if getattr(self, k) is not None}
+        step = self.block_steps()
+        for i in range(0, self.steps, step):
+            yield {k: v[i : i + step] for k, v in held.items()}
+
+
+def _source_blocks(
+    source: RowSource, world: int, kept: np.ndarray, block: int
+) -> Iterator[dict[str, np.ndarray]]:
+    """The per-rank numbers of one record's step lines ``kept`` (indices among its step lines,
+    ascending), ``block`` steps at a time."""
+    if source.columnar is None:
+        yield from _json_blocks(source.path, world, kept, block)
+        return
+    from pace_strategy.telemetry.columnar import iter_shard_rows
+
+    names = [BLOCK_FIELDS[k] for k in BLOCK_FIELDS]
+    parts: list[dict[str, np.ndarray]] = []
+    held, first = 0, 0  # rows in ``parts``; the file's index of the next row read
+    rows = iter_shard_rows(
+        source.path.parent, source.columnar, world, names, flags=("host_bound",), steps=int(kept[-1]) + 1
+    )
+    for values in rows:
+        count = len(values["wait_ms"])
+        lo, hi = np.searchsorted(kept, (first, first + count))
+        take = kept[lo:hi] - first
+        first += count
+        if hi > lo:
+            parts.append({k: values[name][take] for k, name in BLOCK_FIELDS.items()})
+            held += hi - lo
+        while held >= block:  # whole blocks out, the rest kept for the next
+            joined = _joined(parts)
+            yield _columnar_block({k: v[:block] for k, v in joined.items()})
+            parts, held = [{k: v[block:] for k, v in joined.items()}], held - block
+    if held:
+        yield _columnar_block(_joined(parts))
+
+
+def _joined(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.concatenate([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in parts[0]}
+
+
+def _columnar_block(out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A block of a columnar file's rows, an optional field with a null (NaN) left out, as
+    :func:`load_arrays` leaves it out of the run."""
+    for k in OPTIONAL_BLOCK_FIELDS:
+        if np.isnan(out[k]).any():
+            del out[k]
+    return out
+
+
+def _json_blocks(path: Path, world: int, kept: np.ndarray, block: int) -> Iterator[dict[str, np.ndarray]]:
+    """The ``ranks`` lists of a record's step lines ``kept``, ``block`` steps at a time."""
+    every_rank_bound = [True] * world
+    rows: list[dict[str, Any]] = []
+    index, at = -1, 0  # the step line's index; the next kept index to reach
+    for obj in iter_run_record(path):
+        if obj.get("record") != "step":
+            continue
+        index += 1
+        if at == len(kept):
+            break
+        if index != kept[at]:
+            continue
+        at += 1
+        rows.append(obj["ranks"])
+        if len(rows) == block or at == len(kept):
+            out: dict[str, np.ndarray] = {}
+            for k, name in BLOCK_FIELDS.items():
+                if k == "host_bound":
+                    # a step line without it had every rank host-bound (the writer omits it then)
+                    out[k] = np.array([r.get(name) or every_rank_bound for r in rows], dtype=bool)
+                elif all(name in r for r in rows):
+                    out[k] = np.array([r[name] for r in rows], dtype=np.float64)  # None -> NaN
+                elif k not in OPTIONAL_BLOCK_FIELDS:
+                    raise RunRecordError(f"{path}: a step line has no ranks.{name}")
+            rows = []
+            yield out
 
 
 def find_run_record(run_dir: str | os.PathLike[str]) -> Path:
@@ -217,6 +373,143 @@ def _line_count(p: Path) -> int:
     return count
 
 
+@dataclass
+class _Lines:
+    """What one pass over a record's lines gathers (the per-rank lists too, when collected)."""
+
+    header: dict[str, Any]
+    columnar: list[tuple[str, list[int]]] | None
+    kept: list[int] = field(default_factory=list)  #: the kept steps' indices among the step lines
+    steps: list[int] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    active: list[bool] = field(default_factory=list)
+    delay_max: list[float | None] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    hangs: list[dict[str, Any]] = field(default_factory=list)
+    shares: list[dict[str, Any]] = field(default_factory=list)
+    end: dict[str, Any] | None = None
+    truncated: bool = False
+    total: int = 0
+    lists: _RankLists | None = None
+
+    def cut(self, rows: int) -> None:
+        """Keep the first ``rows`` kept steps (the rest have no per-rank rows: a crash between the
+        two files)."""
+        if rows < len(self.steps):
+            self.truncated = True
+            for name in ("kept", "steps", "step_ms", "active", "delay_max"):
+                setattr(self, name, getattr(self, name)[:rows])
+
+    def run(self, p: Path, **per_rank: Any) -> dict[str, Any]:
+        """The :class:`RunLines` fields (``per_rank``: the :class:`RunArrays` ones to add)."""
+        end, hangs, header, total = self.end, self.hangs, self.header, self.total
+        return dict(
+            path=p,
+            header=header,
+            end=end,
+            truncated=self.truncated,
+            total_steps=total,
+            step=np.asarray(self.steps, dtype=np.int64),
+            delay_max=np.asarray(self.delay_max, dtype=np.float64),
+            step_ms=np.asarray(self.step_ms, dtype=np.float64),
+            pacing_active=np.asarray(self.active, dtype=bool),
+            decisions=self.decisions,
+            shares=self.shares,
+            hangs=hangs,
+            attempts=_attempts(
+                p,
+                {
+                    "path": str(p),
+                    "restart_count": int(header.get("restart_count", 0)),
+                    "status": str((end or {}).get("status", "no end line")),
+                    "error": (end or {}).get("error"),
+                    "steps": total,
+                    "hangs": hangs,
+                    "this": True,
+                },
+            ),
+            sources=[RowSource(p, self.columnar, np.asarray(self.kept, dtype=np.int64))],
+            **per_rank,
+        )
+
+
+class _RankLists:
+    """The ``ranks`` lists of a JSON-lines record's kept steps, field by field (the ``fields``), as
+    they are read."""
+
+    def __init__(self, world: int, capacity: int, fields: Sequence[str]) -> None:
+        self.columns = {k: _Column(world, capacity) for k in fields}
+        self.host_bound = _Column(world, capacity, bool)
+        self.every_rank_bound = [True] * world
+
+    def add(self, ranks: dict[str, Any]) -> None:
+        for k, column in self.columns.items():
+            if k in ranks or k not in _OPTIONAL_RANK_FIELDS:
+                column.add(ranks[k])
+        # a step line without ``host_bound`` had every rank host-bound (the writer omits it
+        # then; CPU runs and records written before the field never have it)
+        self.host_bound.add(ranks.get("host_bound") or self.every_rank_bound)
+
+
+def _read_lines(p: Path, fields: Sequence[str] = ()) -> _Lines:
+    """One pass over the record ``p``: its lines, and with ``fields`` these per-rank fields of a
+    JSON-lines record's kept steps (``lists``; a columnar record's step lines have none)."""
+    objs = iter_run_record(p)
+    header = next(objs)
+    out = _Lines(header=header, columnar=rank_columns_of(header))
+    if fields and out.columnar is None:
+        out.lists = _RankLists(int(header["world_size"]), _line_count(p), fields)
+    for obj in objs:
+        kind = obj.get("record")
+        if kind == "step":
+            out.total += 1
+            if not obj["valid"] or obj["warmup"]:
+                continue
+            out.kept.append(out.total - 1)
+            out.steps.append(obj["step"])
+            out.step_ms.append(obj["step_ms"])
+            out.delay_max.append(obj.get("delay_ms_max"))
+            out.active.append(obj["pacing_active"])
+            if out.lists is not None:
+                out.lists.add(obj["ranks"])
+        elif kind == "decision":
+            out.decisions.append(obj)
+        elif kind == "hang":
+            out.hangs.append(obj)
+        elif kind == "shares":
+            out.shares.append(obj)
+        elif kind == "end":
+            out.end = obj
+        elif kind == TRUNCATED:
+            out.truncated = True
+    return out
+
+
+def load_lines(path: str | os.PathLike[str]) -> RunLines:
+    """A run record (file or directory) without its per-rank numbers: every line, and where to
+    read the numbers (:meth:`RunLines.rank_blocks`). Of a columnar record only the step labels of its
+    per-rank files are read here (checked against the step lines)."""
+    p = find_run_record(path)
+    lines = _read_lines(p)
+    if lines.columnar is not None:
+        from pace_strategy.telemetry.columnar import RankColumnsError, shard_steps
+
+        try:
+            written, _ = shard_steps(p.parent, lines.columnar, lines.header["world_size"])
+        except RankColumnsError as error:
+            raise RunRecordError(str(error)) from error
+        index = np.asarray(lines.kept, dtype=np.int64)
+        rows = int(np.searchsorted(index, len(written)))
+        _check_labels(p.parent / lines.columnar[0][0], written, index[:rows], lines.steps[:rows])
+        lines.cut(rows)
+    return RunLines(**lines.run(p))
+
+
+def _check_labels(path: Path, written: np.ndarray, index: np.ndarray, labels: Sequence[int]) -> None:
+    if not np.array_equal(written[index], np.asarray(labels, dtype=np.int64)):
+        raise RunRecordError(f"{path} does not hold the steps of the record beside it: not one run")
+
+
 def load_arrays(path: str | os.PathLike[str], *, skip: Collection[str] = ()) -> RunArrays:
     """Load a run record (file or directory) into arrays; tolerates a truncated last line.
 
@@ -227,114 +520,49 @@ def load_arrays(path: str | os.PathLike[str], *, skip: Collection[str] = ()) -> 
         raise ValueError(f"load_arrays cannot skip {sorted(unknown)}: only {sorted(_SKIPPABLE)}")
     extra = tuple(name for field_, name in _SKIPPABLE.items() if field_ not in skip)
     p = find_run_record(path)
-    objs = iter_run_record(p)
-    header = next(objs)
-    world = int(header["world_size"])
-    columnar = rank_columns_of(header)
-    # the per-rank fields come from the columnar file, when the record has one: no JSON lists here
-    capacity = _line_count(p) if columnar is None else 0
-    kept: list[int] = []  # with a columnar file: the indices of the kept steps among all step lines
     wanted = _RANK_FIELDS + extra + _OPTIONAL_RANK_FIELDS
-    cols = {k: _Column(world, capacity) for k in wanted}
-    host_bound = _Column(world, capacity, bool)
-    every_rank_bound = [True] * world
-    steps, step_ms, active, delay_max = [], [], [], []
-    decisions: list[dict[str, Any]] = []
-    hangs: list[dict[str, Any]] = []
-    shares: list[dict[str, Any]] = []
-    end = None
-    truncated = False
-    total = 0
-    for obj in objs:
-        kind = obj.get("record")
-        if kind == "step":
-            total += 1
-            if not obj["valid"] or obj["warmup"]:
-                continue
-            steps.append(obj["step"])
-            step_ms.append(obj["step_ms"])
-            delay_max.append(obj.get("delay_ms_max"))
-            active.append(obj["pacing_active"])
-            if columnar is not None:
-                kept.append(total - 1)
-                continue
-            ranks = obj["ranks"]
-            for k in _RANK_FIELDS + extra:
-                cols[k].add(ranks[k])
-            for k in _OPTIONAL_RANK_FIELDS:
-                if k in ranks:
-                    cols[k].add(ranks[k])
-            # a step line without ``host_bound`` had every rank host-bound (the writer omits it
-            # then; CPU runs and records written before the field never have it)
-            host_bound.add(ranks.get("host_bound") or every_rank_bound)
-        elif kind == "decision":
-            decisions.append(obj)
-        elif kind == "hang":
-            hangs.append(obj)
-        elif kind == "shares":
-            shares.append(obj)
-        elif kind == "end":
-            end = obj
-        elif kind == TRUNCATED:
-            truncated = True
-
+    lines = _read_lines(p, wanted)
+    world = int(lines.header["world_size"])
+    lists = lines.lists
+    columnar = lines.columnar
     loaded: dict[str, np.ndarray] = {}
     if columnar is not None:
-        loaded, rows = _kept_rank_columns(p.parent, columnar, world, kept, steps, wanted)
-        if rows < len(steps):  # steps whose rows were never written (a crash between the two files)
-            truncated = True
-            steps, step_ms, active, delay_max = steps[:rows], step_ms[:rows], active[:rows], delay_max[:rows]
+        # the per-rank fields come from the columnar file: no JSON lists were read
+        loaded, rows = _kept_rank_columns(p.parent, columnar, world, lines.kept, lines.steps, wanted)
+        lines.cut(rows)
+    steps = len(lines.steps)
 
     def arr(k: str) -> np.ndarray:
-        if columnar is None:
-            return cols[k].array()
-        return loaded[k] if k in loaded else np.full((len(steps), world), np.nan)
+        if columnar is not None:
+            return loaded[k] if k in loaded else np.full((steps, world), np.nan)
+        assert lists is not None
+        return lists.columns[k].array()
 
     def optional(k: str) -> np.ndarray | None:
         if columnar is not None:
             values = loaded.get(k)
-            return values if values is not None and len(steps) and not np.isnan(values).any() else None
-        return arr(k) if cols[k].rows == len(steps) and steps else None
+            return values if values is not None and steps and not np.isnan(values).any() else None
+        assert lists is not None
+        return arr(k) if lists.columns[k].rows == steps and steps else None
 
     return RunArrays(
-        path=p,
-        header=header,
-        end=end,
-        truncated=truncated,
-        total_steps=total,
-        step=np.asarray(steps, dtype=np.int64),
-        wait=arr("wait_ms"),
-        compute=arr("compute_ms"),
-        data=arr("data_ms"),
-        gap=arr("gap_ms"),
-        delay=arr("delay_ms") if "delay" not in skip else None,
-        delay_max=np.asarray(delay_max, dtype=np.float64),
-        rank_step=arr("step_ms") if "rank_step" not in skip else None,
-        step_ms=np.asarray(step_ms, dtype=np.float64),
-        pacing_active=np.asarray(active, dtype=bool),
-        decisions=decisions,
-        gc_ms=optional("gc_ms"),
-        gc_collections=optional("gc_collections"),
-        samples=optional("samples"),
-        opt=optional("opt_ms"),
-        # read as bool (a batch without the column: every rank bound, as a JSON line without it)
-        host_bound=host_bound.array()
-        if columnar is None
-        else loaded.get("host_bound", np.ones((len(steps), world), dtype=bool)),
-        shares=shares,
-        hangs=hangs,
-        attempts=_attempts(
+        **lines.run(
             p,
-            {
-                "path": str(p),
-                "restart_count": int(header.get("restart_count", 0)),
-                "status": str((end or {}).get("status", "no end line")),
-                "error": (end or {}).get("error"),
-                "steps": total,
-                "hangs": hangs,
-                "this": True,
-            },
-        ),
+            wait=arr("wait_ms"),
+            compute=arr("compute_ms"),
+            data=arr("data_ms"),
+            gap=arr("gap_ms"),
+            delay=arr("delay_ms") if "delay" not in skip else None,
+            rank_step=arr("step_ms") if "rank_step" not in skip else None,
+            gc_ms=optional("gc_ms"),
+            gc_collections=optional("gc_collections"),
+            samples=optional("samples"),
+            opt=optional("opt_ms"),
+            # read as bool (a batch without the column: every rank bound, as a JSON line without it)
+            host_bound=lists.host_bound.array()
+            if lists is not None
+            else loaded.get("host_bound", np.ones((steps, world), dtype=bool)),
+        )
     )
 
 
@@ -358,10 +586,7 @@ def _kept_rank_columns(
     except RankColumnsError as error:
         raise RunRecordError(str(error)) from error
     rows = int(np.searchsorted(index, len(written)))  # the kept steps that have rows
-    if not np.array_equal(written[index[:rows]], np.asarray(labels[:rows], dtype=np.int64)):
-        raise RunRecordError(
-            f"{directory / shards[0][0]} does not hold the steps of the record beside it: not one run"
-        )
+    _check_labels(directory / shards[0][0], written, index[:rows], labels[:rows])
     return columns, rows
 
 
@@ -402,8 +627,18 @@ def load_timeline(records: Sequence[str | os.PathLike[str]], *, skip: Collection
     was resumed from (the resumed run trains them again): both are real time spent. ``segments`` says
     where each record begins and how it ended. One record: :func:`load_arrays`.
     """
+    return _timeline(records, lambda p: load_arrays(p, skip=skip))
+
+
+def load_timeline_lines(records: Sequence[str | os.PathLike[str]]) -> RunLines:
+    """:func:`load_timeline` without the per-rank numbers (:func:`load_lines`): what ``pace
+    diagnose`` reads, the numbers a block at a time."""
+    return _timeline(records, load_lines)
+
+
+def _timeline(records: Sequence[str | os.PathLike[str]], load: Callable[[Path], _Run]) -> _Run:
     paths = sorted((find_run_record(r) for r in records), key=_created)
-    parts = [load_arrays(p, skip=skip) for p in paths]
+    parts = [load(p) for p in paths]
     if len(parts) == 1:
         return parts[0]
     worlds = {a.world_size for a in parts}
@@ -428,44 +663,29 @@ def load_timeline(records: Sequence[str | os.PathLike[str]], *, skip: Collection
                 "resume": record.resume,
             }
         )
-    last = parts[-1]
-
-    def cat(name: str) -> np.ndarray:
-        return np.concatenate([getattr(a, name) for a in parts])
-
-    def cat_optional(name: str) -> np.ndarray | None:
-        values = [getattr(a, name) for a in parts]
-        return None if any(v is None for v in values) else np.concatenate(values)
-
-    return RunArrays(
-        path=parts[0].path,
-        header=parts[0].header,
-        end=last.end,
-        truncated=any(a.truncated for a in parts),
-        total_steps=sum(a.total_steps for a in parts),
-        step=cat("step"),
-        wait=cat("wait"),
-        compute=cat("compute"),
-        delay=cat_optional("delay"),
-        delay_max=cat_optional("delay_max"),
-        data=cat("data"),
-        gap=cat("gap"),
-        rank_step=cat_optional("rank_step"),
-        step_ms=cat("step_ms"),
-        pacing_active=cat("pacing_active"),
-        decisions=[d for a in parts for d in a.decisions],
-        gc_ms=cat_optional("gc_ms"),
-        gc_collections=cat_optional("gc_collections"),
-        samples=cat_optional("samples"),
-        opt=cat_optional("opt"),
-        host_bound=cat_optional("host_bound"),
-        hangs=[h for a in parts for h in a.hangs],
-        attempts=[t for a in parts for t in a.attempts],
-        segments=segments,
-    )
+    joined: dict[str, Any] = {}
+    for f in dataclasses.fields(parts[0]):
+        values = [getattr(a, f.name) for a in parts]
+        if f.name in ("path", "header"):
+            joined[f.name] = values[0]
+        elif f.name == "end":
+            joined[f.name] = values[-1]
+        elif f.name == "truncated":
+            joined[f.name] = any(values)
+        elif f.name == "total_steps":
+            joined[f.name] = sum(values)
+        elif f.name in ("shares", "rows"):
+            pass  # not joined (each part's own; the parts are whole)
+        elif f.name == "segments":
+            joined[f.name] = segments
+        elif isinstance(values[0], list):
+            joined[f.name] = [x for v in values for x in v]
+        elif isinstance(values[0], np.ndarray) or values[0] is None:
+            joined[f.name] = None if any(v is None for v in values) else np.concatenate(values)
+    return type(parts[0])(**joined)
 
 
-def timeline_notes(a: RunArrays) -> list[str]:
+def timeline_notes(a: RunLines) -> list[str]:
     """The timeline in words: each record, where it resumed and how it ended (none for one record)."""
     notes = []
     for number, s in enumerate(a.segments, start=1):

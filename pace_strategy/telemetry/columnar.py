@@ -30,7 +30,7 @@ Needs the ``arrow`` extra (``pip install pace-strategy[arrow]``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,9 +47,11 @@ __all__ = [
     "FLOAT_COLUMNS",
     "RankColumnsError",
     "RankColumnsWriter",
+    "iter_shard_rows",
     "rank_columns_filename",
     "read_rank_columns",
     "read_shards",
+    "shard_steps",
 ]
 
 COLUMNS_SCHEMA = "pace_strategy/rank-columns"
@@ -231,6 +233,72 @@ def _column(pa: Any, per_step: Any, steps: int, world: int, dtype: type) -> Any:
     return pa.array(out, mask=missing if missing.any() else None)
 
 
+class _FileBatches:
+    """The record batches of one per-rank file, a batch at a time: each batch's step labels (one
+    per step) and its columns; ``truncated`` once a batch cut off by a crash ended the iteration.
+    ``columns``: only these are decompressed (the file's others are skipped); ``[]``: the labels
+    only."""
+
+    def __init__(self, path: Path, world_size: int, columns: Sequence[str] | None) -> None:
+        self.path, self.world_size = path, world_size
+        self.columns = columns
+        self.truncated = False
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, int, Any]]:
+        pa, p, world_size = _pyarrow(), self.path, self.world_size
+        if not p.is_file():
+            raise RankColumnsError(f"{p} is missing: the run record's per-rank columns are written there")
+        # read, not memory-mapped: a batch at a time is in memory, not every page of the file read so
+        # far (a mapped 1 GB file counted in full in the reader's resident memory)
+        with pa.OSFile(str(p)) as source:
+            try:
+                schema = pa.ipc.open_stream(source).schema
+            except pa.ArrowInvalid as error:
+                raise RankColumnsError(f"{p} is not an Arrow IPC stream: {error}") from error
+            meta = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
+            if meta.get("schema") != COLUMNS_SCHEMA or int(meta.get("version", "0")) > COLUMNS_VERSION:
+                raise RankColumnsError(
+                    f"{p} holds {meta.get('schema')!r} version {meta.get('version')}; this pace_strategy "
+                    f"reads {COLUMNS_SCHEMA!r} up to version {COLUMNS_VERSION}"
+                )
+            names = [f.name for f in schema]
+            wanted = names[2:] if self.columns is None else list(self.columns)
+            unknown = set(wanted) - set(names)
+            if unknown:
+                raise RankColumnsError(f"{p} has no column {sorted(unknown)}")
+            # only the columns asked for are decompressed (the step labels always)
+            options = pa.ipc.IpcReadOptions(included_fields=[names.index(n) for n in ["step", *wanted]])
+            source.seek(0)
+            reader = pa.ipc.open_stream(source, options=options)
+            while True:
+                try:
+                    batch = reader.read_next_batch()
+                except StopIteration:
+                    break
+                except (pa.ArrowInvalid, OSError):  # a batch cut off by a crash: the rest is intact
+                    self.truncated = True
+                    break
+                if batch.num_rows % world_size:
+                    raise RankColumnsError(
+                        f"{p}: a batch of {batch.num_rows} rows is not whole steps of {world_size}"
+                    )
+                # a copy: a view would keep the whole decompressed batch alive until the end
+                labels = batch.column("step").to_numpy()[::world_size].copy()
+                yield labels, batch.num_rows // world_size, batch
+
+
+def _values(batch: Any, name: str, count: int, world_size: int, flag: bool) -> np.ndarray:
+    """One column of a batch as ``[steps, ranks]``: a flag as bool (null: True), else float64 (null:
+    NaN), the durations rounded back to the microsecond as the writer rounded them before float32."""
+    column = batch.column(name)
+    if flag:
+        return column.fill_null(True).to_numpy(zero_copy_only=False).reshape(count, world_size)
+    values = column.to_numpy(zero_copy_only=False).reshape(count, world_size).astype(np.float64)
+    if name in FLOAT_COLUMNS:
+        np.round(values, 3, out=values)
+    return values
+
+
 def read_rank_columns(
     path: str | Path,
     world_size: int,
@@ -247,73 +315,40 @@ def read_rank_columns(
     every kept step is then left out. The durations come back rounded to the microsecond, as the
     writer rounded them before float32: the numbers the JSON lines would hold."""
     pa = _pyarrow()
-    p = Path(path)
-    if not p.is_file():
-        raise RankColumnsError(f"{p} is missing: the run record's per-rank columns are written there")
-    truncated = False
+    batches = _FileBatches(Path(path), world_size, columns)
     labels: list[np.ndarray] = []
-    # read, not memory-mapped: a batch at a time is in memory, not every page of the file read so
-    # far (a mapped 1 GB file counted in full in the reader's resident memory)
-    with pa.OSFile(str(p)) as source:
-        try:
-            reader = pa.ipc.open_stream(source)
-        except pa.ArrowInvalid as error:
-            raise RankColumnsError(f"{p} is not an Arrow IPC stream: {error}") from error
-        meta = {k.decode(): v.decode() for k, v in (reader.schema.metadata or {}).items()}
-        if meta.get("schema") != COLUMNS_SCHEMA or int(meta.get("version", "0")) > COLUMNS_VERSION:
-            raise RankColumnsError(
-                f"{p} holds {meta.get('schema')!r} version {meta.get('version')}; this pace_strategy reads "
-                f"{COLUMNS_SCHEMA!r} up to version {COLUMNS_VERSION}"
-            )
-        wanted = list(columns) if columns is not None else [f.name for f in reader.schema][2:]
-        # with ``keep``: filled in place, a column's array made at its first value (a column null
-        # throughout, as ``gc_ms`` where it was not recorded, is left out of the result); without:
-        # every batch's arrays, joined at the end
-        out: dict[str, np.ndarray] = {}
-        parts: dict[str, list[np.ndarray]] = {name: [] for name in wanted}
-        filled = 0  # rows of ``out`` written
-        first = 0  # the index of the batch's first step among the file's steps
-        while True:
-            try:
-                batch = reader.read_next_batch()
-            except StopIteration:
-                break
-            except (pa.ArrowInvalid, OSError):  # a batch cut off by a crash: the rest is intact
-                truncated = True
-                break
-            if batch.num_rows % world_size:
-                raise RankColumnsError(
-                    f"{p}: a batch of {batch.num_rows} rows is not whole steps of {world_size}"
-                )
-            count = batch.num_rows // world_size
-            # a copy: a view would keep the whole decompressed batch alive until the end
-            labels.append(batch.column("step").to_numpy()[::world_size].copy())
-            rows = None
-            if keep is not None:
-                lo, hi = np.searchsorted(keep, (first, first + count))
-                rows = keep[lo:hi] - first
-            for name in wanted:
-                column = batch.column(name)
-                if rows is not None and name not in out and column.null_count == batch.num_rows:
-                    continue  # null so far: no array yet, nothing to convert
-                flag = name in flags
-                if flag:
-                    column = column.fill_null(True)
-                values = column.to_numpy(zero_copy_only=False).reshape(count, world_size)
-                if rows is None:
-                    parts[name].append(values if flag else values.astype(np.float64))
-                    continue
-                if name not in out:
-                    assert keep is not None
-                    out[name] = np.empty((len(keep), world_size), dtype=bool if flag else np.float64)
-                    out[name][:filled] = True if flag else np.nan
-                out[name][filled : filled + len(rows)] = values[rows]
-            filled += count if rows is None else len(rows)
-            first += count
+    # with ``keep``: filled in place, a column's array made at its first value (a column null
+    # throughout, as ``gc_ms`` where it was not recorded, is left out of the result); without:
+    # every batch's arrays, joined at the end
+    out: dict[str, np.ndarray] = {}
+    parts: dict[str, list[np.ndarray]] = {}
+    filled = 0  # rows of ``out`` written
+    first = 0  # the index of the batch's first step among the file's steps
+    for batch_labels, count, batch in batches:
+        labels.append(batch_labels)
+        rows = None
+        if keep is not None:
+            lo, hi = np.searchsorted(keep, (first, first + count))
+            rows = keep[lo:hi] - first
+        for name in batch.schema.names[1:]:
+            flag = name in flags
+            if rows is None:
+                parts.setdefault(name, []).append(_values(batch, name, count, world_size, flag))
+                continue
+            if name not in out and batch.column(name).null_count == batch.num_rows:
+                continue  # null so far: no array yet, nothing to convert
+            if name not in out:
+                assert keep is not None
+                out[name] = np.empty((len(keep), world_size), dtype=bool if flag else np.float64)
+                out[name][:filled] = True if flag else np.nan
+            out[name][filled : filled + len(rows)] = _values(batch, name, count, world_size, flag)[rows]
+        filled += count if rows is None else len(rows)
+        first += count
     if keep is None:
+        wanted = list(columns) if columns is not None else list(parts)
         out = {
             name: np.concatenate(parts[name])
-            if parts[name]
+            if parts.get(name)
             else np.empty((0, world_size), dtype=bool if name in flags else np.float64)
             for name in wanted
         }
@@ -321,10 +356,7 @@ def read_rank_columns(
     # 1,024 ranks): hand it back, the arrays are numpy's
     pa.default_memory_pool().release_unused()
     steps = np.concatenate(labels).astype(np.int64) if labels else np.empty(0, dtype=np.int64)
-    for name, values in out.items():
-        if name in FLOAT_COLUMNS:  # float32 back to the numbers the JSON lines hold (the writer rounded)
-            np.round(values, 3, out=values)
-    return {name: values[:filled] for name, values in out.items()}, steps, truncated
+    return {name: values[:filled] for name, values in out.items()}, steps, batches.truncated
 
 
 #: a record's per-rank files: (file name, the global ranks it holds)
@@ -370,3 +402,72 @@ def read_shards(
     assert first is not None
     rows = int(np.searchsorted(keep, steps)) if keep is not None else steps  # the kept steps all hold
     return {k: v[:rows] for k, v in out.items()}, first[:steps], truncated or longest > steps
+
+
+def shard_steps(directory: Path, shards: Shards, world_size: int) -> tuple[np.ndarray, bool]:
+    """The step labels every file of a record holds (only the ``step`` column is decompressed), and
+    whether one of them stops short of another or was cut off (``truncated``)."""
+    first: np.ndarray | None = None
+    steps, longest, truncated = 0, 0, False
+    for name, ranks in shards:
+        batches = _FileBatches(directory / name, len(ranks), [])
+        labels = np.concatenate([b[0] for b in batches] or [np.empty(0, dtype=np.int64)]).astype(np.int64)
+        if first is None:
+            first, steps = labels, len(labels)
+        common = min(len(first), len(labels))
+        if not np.array_equal(labels[:common], first[:common]):
+            raise RankColumnsError(f"{directory / name} holds other steps than {shards[0][0]}: not one run")
+        steps, longest = min(steps, common), max(longest, len(labels))
+        truncated = truncated or batches.truncated
+    assert first is not None
+    return first[:steps], truncated or longest > steps
+
+
+def iter_shard_rows(
+    directory: Path,
+    shards: Shards,
+    world_size: int,
+    columns: Sequence[str],
+    flags: Collection[str] = (),
+    steps: int | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
+    """The record's per-rank ``columns`` (every file merged into ``[steps, world_size]`` arrays, as
+    :func:`read_shards` gives them) a few steps at a time, in order, for the first ``steps`` steps
+    (default: every step the files all hold): the memory is a batch of each file, not the run."""
+    pa = _pyarrow()
+    files = [iter(_FileBatches(directory / name, len(ranks), columns)) for name, ranks in shards]
+    ranks_of = [np.asarray(ranks, dtype=np.int64) for _, ranks in shards]
+    whole = len(shards) == 1 and list(shards[0][1]) == list(range(world_size))
+    # each file's last batch read: its columns ([its steps, its ranks]), and how many of its steps
+    # were handed out
+    held: list[dict[str, np.ndarray]] = [{} for _ in files]
+    used, count = [0] * len(files), [0] * len(files)
+    done = 0
+    while steps is None or done < steps:
+        for i, batches in enumerate(files):
+            if used[i] == count[i]:
+                batch = next(batches, None)
+                if batch is None:  # this file ends here: the steps every file holds end here too
+                    pa.default_memory_pool().release_unused()
+                    return
+                _, count[i], b = batch
+                used[i] = 0
+                held[i] = {n: _values(b, n, count[i], len(ranks_of[i]), n in flags) for n in columns}
+        take = min(c - u for c, u in zip(count, used, strict=True))
+        if steps is not None:
+            take = min(take, steps - done)
+        if take == 0:
+            continue
+        out: dict[str, np.ndarray] = {}
+        for name in columns:
+            if whole:
+                out[name] = held[0][name][used[0] : used[0] + take]
+                continue
+            flag = name in flags
+            out[name] = np.full((take, world_size), True if flag else np.nan, dtype=bool if flag else None)
+            for i in range(len(files)):
+                out[name][:, ranks_of[i]] = held[i][name][used[i] : used[i] + take]
+        used = [u + take for u in used]
+        done += take
+        yield out
+    pa.default_memory_pool().release_unused()

@@ -1,0 +1,390 @@
+"""A run's per-rank numbers reduced, a block of steps at a time, to what the diagnosis reads.
+
+Every check compares the step's late rank (its *straggler*: the rank with the smallest wait) with
+the other ranks, or reads the run's per-step reductions over the ranks; none needs the whole
+``[steps, ranks]`` arrays at once. So one pass over the record's blocks (:meth:`RunLines.rank_blocks`,
+``[block steps, ranks]`` each) keeps, per step, the straggler's own value of each field and the
+median of the others', and, per run, what a few statistics need:
+
+- per step (``[S]``): the transfer time (smallest wait), the straggler, the skew, the median wait,
+  the mean lead (what the step lost waiting); for the compute, input, own work between steps
+  (optimizer step and input) and the framework's loop between steps: the straggler's value and the
+  other ranks' median; the other ranks' median wait, also without the straggler's whole local-index
+  group (the locality check); its GC time and host-bound flag;
+- per rank (``[W]``): the mean and standard deviation of its compute over the run;
+- the steps a statistic samples, whole rows: the jitter floor's (up to 20,000 steps), the growth
+  curve's (up to 5,000), the projection's calibration (``projection_calibration_steps``), which the
+  per-sample speed reads too; for a run shorter than a sample, every step;
+- for the report: the lead heat map, binned over steps as the plot bins it.
+
+So the memory is a block, the ``[S]`` vectors and the sampled rows (at 100k steps x 8,192 ranks:
+about 3 GB, against 6.5 GB for one whole float64 field), and the same code serves a run held in
+memory (:class:`RunArrays`) and one read from disk. Each number is the one the checks computed
+from the whole arrays (the same numpy reductions of the same rows), but the per-rank compute
+spread, which is merged over the blocks (Chan et al.'s pairwise update): equal to numpy's
+two-pass ``std`` to about 1e-15 relative, exactly equal for a run of one block.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from pace_strategy.diagnose.config import DiagnosisConfig
+from pace_strategy.telemetry.arrays import RunArrays, RunLines
+
+__all__ = [
+    "FLOOR_SAMPLE_STEPS",
+    "GROWTH_SAMPLE_STEPS",
+    "GROWTH_SEED",
+    "GcDigest",
+    "RunDigest",
+    "digest_run",
+    "growth_rows",
+    "noise_ms",
+]
+
+#: steps the jitter floor's robust sigma is computed on (a seeded sample; plenty for a median)
+FLOOR_SAMPLE_STEPS = 20_000
+FLOOR_SEED = 0
+#: the amplification curve: steps sampled (a sample is plenty for a mean; the seed keeps the report
+#: reproducible)
+GROWTH_SAMPLE_STEPS = 5000
+GROWTH_SEED = 0
+#: the projection's calibration sample
+SAMPLE_SEED = 0
+
+
+def noise_ms(cfg: DiagnosisConfig, median_step_ms: float) -> float:
+    """Lateness below this is noise: the larger of the floor and a fraction of the median step."""
+    return max(cfg.slow_ms_floor, cfg.slow_step_fraction * median_step_ms)
+
+
+def floor_rows(steps: int) -> np.ndarray:
+    """The steps (ascending) the jitter floor reads: a seeded sample of a long run, else all."""
+    if steps > FLOOR_SAMPLE_STEPS:
+        return np.sort(
+            np.random.default_rng(FLOOR_SEED).choice(steps, size=FLOOR_SAMPLE_STEPS, replace=False)
+        )
+    return np.arange(steps)
+
+
+def growth_rows(rng: np.random.Generator, steps: int) -> np.ndarray:
+    """The steps the growth curve reads, in the order drawn (the curve's draws go on from ``rng``)."""
+    return rng.choice(steps, size=min(steps, GROWTH_SAMPLE_STEPS), replace=False)
+
+
+def sample_rows(steps: int, size: int) -> np.ndarray:
+    """The projection's calibration steps (ascending): a seeded sample of ``size``, or all."""
+    if steps <= size:
+        return np.arange(steps)
+    return np.sort(np.random.default_rng(SAMPLE_SEED).choice(steps, size=size, replace=False))
+
+
+@dataclass
+class GcDigest:
+    """What the GC check reads (a record with per-rank ``gc_ms``)."""
+
+    own: np.ndarray  #: [S] the straggler's time in the collector, ms (not recorded: 0)
+    others: np.ndarray  #: [S] the other ranks' median time in it, ms
+    pauses: np.ndarray  #: every rank's GC time of at least the noise threshold, any order, ms
+    longest: float  #: the longest GC time of any rank, ms
+    collections: float | None  #: collections over the run, every rank (None: not recorded)
+
+
+@dataclass
+class RunDigest:
+    """What the diagnosis reads of a run's per-rank numbers (module docstring)."""
+
+    steps: int
+    world: int
+    transfer: np.ndarray  #: [S] the smallest wait, ms
+    straggler: np.ndarray  #: [S] the rank with the smallest wait (the first of a tie)
+    skew: np.ndarray  #: [S] largest minus smallest wait, ms
+    median_wait: np.ndarray  #: [S] ms
+    lost: np.ndarray  #: [S] the ranks' mean lead: what the step lost waiting, ms
+    #: [S] by field (``compute``, ``data``, ``between``, ``loop``): the straggler's value, ms
+    own: dict[str, np.ndarray]
+    #: [S] by field (those and ``wait``): the median of the other ranks' values, ms
+    others: dict[str, np.ndarray]
+    #: [S] the median wait of the ranks whose local index is not the straggler's (None: local
+    #: indices not recorded, or all the same)
+    local_others_wait: np.ndarray | None
+    host_bound: np.ndarray | None  #: [S] the straggler was host-bound (None: not recorded)
+    gc: GcDigest | None  #: None: not recorded in every step
+    compute_mean: np.ndarray  #: [W] each rank's mean compute over the run, ms
+    compute_std: np.ndarray  #: [W] its standard deviation, ms
+    floor_wait: np.ndarray  #: the waits of the jitter floor's steps (:func:`floor_rows`)
+    growth_wait: np.ndarray  #: the waits of the growth curve's steps, in the order drawn
+    sample: RunArrays  #: the projection's calibration steps, whole (:func:`sample_rows`)
+    sample_rows: np.ndarray  #: their indices among the steps
+    heat: np.ndarray  #: the lead heat map: [steps or step bins, ranks or nodes], ms
+    heat_labels: list[str]  #: its rows' names (``r3``, or ``node 1``)
+    heat_binned: bool  #: its steps are bins (means over equal runs of steps)
+
+
+class _Rows:
+    """Whole rows of some fields, for the steps ``rows`` (any order: kept in that order)."""
+
+    def __init__(self, rows: np.ndarray) -> None:
+        self.rows = rows
+        order = np.argsort(rows, kind="stable")
+        self.sorted, self.place = rows[order], order
+        self.values: dict[str, np.ndarray] = {}
+        self.complete: dict[str, bool] = {}
+
+    def add(self, lo: int, block: dict[str, np.ndarray], names: Sequence[str]) -> None:
+        a, b = np.searchsorted(self.sorted, (lo, lo + len(block["wait"])))
+        for name in names:
+            if name not in block:
+                self.complete[name] = False
+                continue
+            self.complete.setdefault(name, True)
+            if name not in self.values:
+                values = block[name]
+                self.values[name] = np.empty((len(self.rows), values.shape[1]), dtype=values.dtype)
+            if b > a:
+                self.values[name][self.place[a:b]] = block[name][self.sorted[a:b] - lo]
+
+
+class _Bins:
+    """``[steps, columns]`` rows in order, as the report plots them: the rows themselves for at most
+    ``max_columns`` steps, else their means over ``max_columns`` equal bins (the edges of the
+    report's ``_bin_steps``). A bin's rows are summed in order, its partial sum carried from one
+    block to the next as the first row of the next block's sum, so the means do not depend on where
+    the blocks end."""
+
+    def __init__(self, steps: int, max_columns: int) -> None:
+        self.binned = steps > max_columns
+        self.edges = np.linspace(0, steps, max_columns + 1).astype(int) if self.binned else None
+        self.parts: list[np.ndarray] = []
+        self.carry: np.ndarray | None = None  #: the partial sum of the bin the last block ended in
+        self.at = 0
+
+    def add(self, rows: np.ndarray) -> None:
+        lo, hi = self.at, self.at + len(rows)
+        self.at = hi
+        if self.edges is None:
+            self.parts.append(rows)
+            return
+        # the block's pieces: up to each bin edge inside it, then to its end
+        cuts = [lo, *self.edges[(self.edges > lo) & (self.edges < hi)].tolist(), hi]
+        for a, b in itertools.pairwise(cuts):
+            piece = rows[a - lo : b - lo]
+            if self.carry is not None:
+                piece = np.concatenate([self.carry, piece])
+            total = piece.sum(axis=0, keepdims=True)  # row after row, in order
+            if b in self.edges:
+                self.parts.append(total)
+                self.carry = None
+            else:
+                self.carry = total
+
+    def result(self, columns: int) -> np.ndarray:
+        out = np.concatenate(self.parts) if self.parts else np.zeros((0, columns))
+        if self.edges is not None:
+            out = out / np.diff(self.edges)[:, None]
+        return out
+
+
+def _median_without(x: np.ndarray, drop: np.ndarray) -> np.ndarray:
+    """Per row of ``x`` (``[rows, ranks]``), the median of its values but the one in column
+    ``drop[row]``: the multiset the whole run's median over the other ranks reads, so the same
+    number."""
+    rows, ranks = x.shape
+    if ranks < 2:
+        return np.full(rows, np.nan)
+    keep = np.ones(x.shape, dtype=bool)
+    keep[np.arange(rows), drop] = False
+    return np.median(x[keep].reshape(rows, ranks - 1), axis=1, overwrite_input=True)
+
+
+def _heat_layout(a: RunLines, cfg: DiagnosisConfig) -> tuple[list[int], list[list[int]] | None, list[str]]:
+    """The heat map's ranks in order (grouped by node), its node groups when it aggregates (more
+    ranks than ``max_heatmap_rows``), and its rows' labels."""
+    nodes = [str(n) for n in a.topology("node_rank")]
+    local = [x if x is not None else r for r, x in enumerate(a.topology("local_rank"))]
+    order = sorted(range(a.world_size), key=lambda r: (nodes[r], local[r], r))
+    if a.world_size <= cfg.max_heatmap_rows:
+        return order, None, [f"r{r}" for r in order]
+    groups: dict[str, list[int]] = {}
+    for r in order:
+        groups.setdefault(nodes[r], []).append(r)
+    return order, list(groups.values()), [f"node {n}" for n in groups]
+
+
+def digest_run(a: RunLines, cfg: DiagnosisConfig) -> RunDigest:
+    """Read ``a``'s per-rank numbers once, a block of steps at a time (module docstring)."""
+    S, W = a.steps, a.world_size
+    noise = noise_ms(cfg, float(np.median(a.step_ms))) if S else cfg.slow_ms_floor
+    per_step: dict[str, np.ndarray] = {
+        name: np.full(S, np.nan)
+        for name in (
+            "transfer", "skew", "median_wait", "lost", "wait_others",
+            "compute_own", "compute_others", "data_own", "data_others",
+            "between_own", "between_others", "loop_own", "loop_others",
+            "loop0_own", "loop0_others", "gc_own", "gc_others", "local_others",
+        )
+    }  # fmt: skip
+    straggler = np.zeros(S, dtype=np.int64)
+    bound = np.ones(S, dtype=bool)
+    complete = {"opt": True, "gc_ms": True, "gc_collections": True, "host_bound": True}
+    local = np.asarray([x if x is not None and x >= 0 else -1 for x in a.topology("local_rank")])
+    by_local = len(local) > 0 and local.min() >= 0 and len(set(local.tolist())) >= 2
+    floor, growth = _Rows(floor_rows(S)), _Rows(growth_rows(np.random.default_rng(GROWTH_SEED), S))
+    sample = _Rows(sample_rows(S, cfg.projection_calibration_steps))
+    order, groups, heat_labels = _heat_layout(a, cfg)
+    heat = _Bins(S, cfg.max_heatmap_columns)
+    pauses: list[np.ndarray] = []
+    longest, collections = 0.0, 0.0
+    # the compute's per-rank mean and sum of squared deviations, merged block by block
+    count, mean, m2 = 0, np.zeros(W), np.zeros(W)
+    opt_before: np.ndarray | None = None  # the last row's optimizer step (the next row's "before")
+    lo = 0
+    for block in a.rank_blocks():
+        w = block["wait"]
+        n = len(w)
+        at, rows = slice(lo, lo + n), np.arange(n)
+        transfer = w.min(axis=1)
+        late = w.argmin(axis=1)
+        straggler[at] = late
+        per_step["transfer"][at] = transfer
+        per_step["skew"][at] = w.max(axis=1) - transfer
+        per_step["median_wait"][at] = np.median(w, axis=1)
+        per_step["lost"][at] = (w - transfer[:, None]).mean(axis=1)
+        per_step["wait_others"][at] = _median_without(w, late)
+        if by_local:
+            out = per_step["local_others"]
+            for index in set(local[late].tolist()):
+                mine = np.nonzero(local[late] == index)[0]
+                out[lo + mine] = np.median(w[np.ix_(mine, np.nonzero(local != index)[0])], axis=1)
+
+        def own_and_others(name: str, x: np.ndarray, at: slice = at, late: np.ndarray = late) -> None:
+            per_step[f"{name}_own"][at] = x[np.arange(len(late)), late]
+            per_step[f"{name}_others"][at] = _median_without(x, late)
+
+        own_and_others("compute", block["compute"])
+        own_and_others("data", block["data"])
+        # the gap before a step holds the rank's optimizer step of the step before (the first
+        # step's own for the first) and its input: its own work; the rest is the framework's loop
+        opt = block.get("opt")
+        if opt is not None:
+            before = np.concatenate([opt[:1] if opt_before is None else opt_before, opt[:-1]])
+            between = before + block["data"]
+            own_and_others("between", between)
+            own_and_others("loop", np.clip(block["gap"] - between, 0.0, None))
+            opt_before = opt[-1:]
+        else:
+            complete["opt"], opt_before = False, None
+        own_and_others("loop0", np.clip(block["gap"] - block["data"], 0.0, None))  # without opt_ms
+        gc = block.get("gc_ms")
+        if gc is not None:
+            gc = np.nan_to_num(gc)
+            own_and_others("gc", gc)
+            pauses.append(gc[gc >= noise])
+            longest = max(longest, float(gc.max())) if gc.size else longest
+        else:
+            complete["gc_ms"] = False
+        if "gc_collections" in block:
+            collections += float(np.nan_to_num(block["gc_collections"]).sum())
+        else:
+            complete["gc_collections"] = False
+        if "host_bound" in block:
+            bound[at] = block["host_bound"][rows, late]
+        else:
+            complete["host_bound"] = False
+        # heat map rows: each rank's lead, or each node's mean lead (from its ranks' waits)
+        if groups is None:
+            heat.add((w - transfer[:, None])[:, order])
+        else:
+            heat.add(np.stack([(w[:, g] - transfer[:, None]).mean(axis=1) for g in groups], axis=1))
+        c = block["compute"]
+        block_mean = c.mean(axis=0)
+        deviation = c - block_mean
+        block_m2 = (deviation * deviation).sum(axis=0)
+        if count == 0:
+            mean, m2 = block_mean, block_m2
+        else:
+            total = count + n
+            delta = block_mean - mean
+            mean = mean + delta * (n / total)
+            m2 = m2 + block_m2 + delta * delta * (count * n / total)
+        count += n
+        floor.add(lo, block, ("wait",))
+        growth.add(lo, block, ("wait",))
+        sample.add(lo, block, ("wait", "compute", "data", "gap", "samples"))
+        lo += n
+    if lo != S:
+        raise ValueError(f"the record's per-rank numbers hold {lo} of its {S} steps")
+    complete["samples"] = sample.complete.get("samples", False)
+    for name in ("gc_ms", "gc_collections", "host_bound"):
+        complete[name] = complete[name] and S > 0
+    if not complete["opt"]:  # without a recorded optimizer step, the own work is the input
+        between_own, between_others = per_step["data_own"], per_step["data_others"]
+        loop_own, loop_others = per_step["loop0_own"], per_step["loop0_others"]
+    else:
+        between_own, between_others = per_step["between_own"], per_step["between_others"]
+        loop_own, loop_others = per_step["loop_own"], per_step["loop_others"]
+    picked, values = sample.rows, sample.values
+    # the sampled steps' lines (their per-step arrays), for the sample's RunArrays
+    lines = {
+        f.name: value[picked] if isinstance(value, np.ndarray) and f.name != "rows" else value
+        for f in fields(RunLines)
+        for value in (getattr(a, f.name),)
+    }
+
+    def sampled(name: str) -> np.ndarray:
+        return values.get(name, np.zeros((len(picked), W)))
+
+    return RunDigest(
+        steps=S,
+        world=W,
+        transfer=per_step["transfer"],
+        straggler=straggler,
+        skew=per_step["skew"],
+        median_wait=per_step["median_wait"],
+        lost=per_step["lost"],
+        own={
+            "compute": per_step["compute_own"],
+            "data": per_step["data_own"],
+            "between": between_own,
+            "loop": loop_own,
+        },
+        others={
+            "wait": per_step["wait_others"],
+            "compute": per_step["compute_others"],
+            "data": per_step["data_others"],
+            "between": between_others,
+            "loop": loop_others,
+        },
+        local_others_wait=per_step["local_others"] if by_local else None,
+        host_bound=bound if complete["host_bound"] else None,
+        gc=GcDigest(
+            own=per_step["gc_own"],
+            others=per_step["gc_others"],
+            pauses=np.concatenate(pauses) if pauses else np.zeros(0),
+            longest=longest,
+            collections=collections if complete["gc_collections"] else None,
+        )
+        if complete["gc_ms"]
+        else None,
+        compute_mean=mean,
+        compute_std=np.sqrt(m2 / max(count, 1)),
+        floor_wait=floor.values.get("wait", np.zeros((0, W))),
+        growth_wait=growth.values.get("wait", np.zeros((0, W))),
+        sample=RunArrays(
+            **lines,
+            wait=sampled("wait"),
+            compute=sampled("compute"),
+            data=sampled("data"),
+            gap=sampled("gap"),
+            samples=values["samples"] if complete["samples"] else None,
+        ),
+        sample_rows=picked,
+        heat=heat.result(len(heat_labels)),
+        heat_labels=heat_labels,
+        heat_binned=heat.binned,
+    )
