@@ -89,7 +89,9 @@ class GcDigest:
     """What the GC check reads (a record with per-rank ``gc_ms``)."""
 
     own: np.ndarray  #: [S] the straggler's time in the collector, ms (not recorded: 0)
-    others: np.ndarray  #: [S] the other ranks' median time in it, ms
+    #: [S] the other ranks' median time in it, ms, where the skew is at least the noise threshold
+    #: (the steps the check reads; NaN elsewhere)
+    others: np.ndarray
     pauses: np.ndarray  #: every rank's GC time of at least the noise threshold, any order, ms
     longest: float  #: the longest GC time of any rank, ms
     collections: float | None  #: collections over the run, every rank (None: not recorded)
@@ -216,8 +218,12 @@ def _heat_layout(a: RunLines, cfg: DiagnosisConfig) -> tuple[list[int], list[lis
     return order, list(groups.values()), [f"node {n}" for n in groups]
 
 
-def digest_run(a: RunLines, cfg: DiagnosisConfig) -> RunDigest:
-    """Read ``a``'s per-rank numbers once, a block of steps at a time (module docstring)."""
+def digest_run(a: RunLines, cfg: DiagnosisConfig, *, use_opt: bool = True) -> RunDigest:
+    """Read ``a``'s per-rank numbers once, a block of steps at a time (module docstring).
+
+    ``use_opt``: count a recorded optimizer step as the rank's own work between steps; a run that
+    lacks it in some step (a timeline of records of two versions) counts its input only, as a run
+    without it (read again, then: rare, and a second reduction every step costs more)."""
     S, W = a.steps, a.world_size
     noise = noise_ms(cfg, float(np.median(a.step_ms))) if S else cfg.slow_ms_floor
     per_step: dict[str, np.ndarray] = {
@@ -226,12 +232,12 @@ def digest_run(a: RunLines, cfg: DiagnosisConfig) -> RunDigest:
             "transfer", "skew", "median_wait", "lost", "wait_others",
             "compute_own", "compute_others", "data_own", "data_others",
             "between_own", "between_others", "loop_own", "loop_others",
-            "loop0_own", "loop0_others", "gc_own", "gc_others", "local_others",
+            "gc_own", "gc_others", "local_others",
         )
     }  # fmt: skip
     straggler = np.zeros(S, dtype=np.int64)
     bound = np.ones(S, dtype=bool)
-    complete = {"opt": True, "gc_ms": True, "gc_collections": True, "host_bound": True}
+    complete = {"gc_ms": True, "gc_collections": True, "host_bound": True}
     local = np.asarray([x if x is not None and x >= 0 else -1 for x in a.topology("local_rank")])
     by_local = len(local) > 0 and local.min() >= 0 and len(set(local.tolist())) >= 2
     floor, growth = _Rows(floor_rows(S)), _Rows(growth_rows(np.random.default_rng(GROWTH_SEED), S))
@@ -269,21 +275,27 @@ def digest_run(a: RunLines, cfg: DiagnosisConfig) -> RunDigest:
         own_and_others("compute", block["compute"])
         own_and_others("data", block["data"])
         # the gap before a step holds the rank's optimizer step of the step before (the first
-        # step's own for the first) and its input: its own work; the rest is the framework's loop
-        opt = block.get("opt")
+        # step's own for the first), where recorded, and its input: its own work; the rest is the
+        # framework's loop between steps
+        opt = block.get("opt") if use_opt else None
+        if use_opt and opt is None:
+            if lo:  # some step before had it
+                return digest_run(a, cfg, use_opt=False)
+            use_opt = False
+        between = block["data"]
         if opt is not None:
             before = np.concatenate([opt[:1] if opt_before is None else opt_before, opt[:-1]])
-            between = before + block["data"]
-            own_and_others("between", between)
-            own_and_others("loop", np.clip(block["gap"] - between, 0.0, None))
+            between = before + between
             opt_before = opt[-1:]
-        else:
-            complete["opt"], opt_before = False, None
-        own_and_others("loop0", np.clip(block["gap"] - block["data"], 0.0, None))  # without opt_ms
+        own_and_others("between", between)
+        own_and_others("loop", np.clip(block["gap"] - between, 0.0, None))
         gc = block.get("gc_ms")
         if gc is not None:
             gc = np.nan_to_num(gc)
-            own_and_others("gc", gc)
+            per_step["gc_own"][at] = gc[rows, late]
+            # the others' median only where the GC check reads it: the steps whose skew is above noise
+            costly = np.nonzero(per_step["skew"][at] >= noise)[0]
+            per_step["gc_others"][lo + costly] = _median_without(gc[costly], late[costly])
             pauses.append(gc[gc >= noise])
             longest = max(longest, float(gc.max())) if gc.size else longest
         else:
@@ -322,12 +334,6 @@ def digest_run(a: RunLines, cfg: DiagnosisConfig) -> RunDigest:
     complete["samples"] = sample.complete.get("samples", False)
     for name in ("gc_ms", "gc_collections", "host_bound"):
         complete[name] = complete[name] and S > 0
-    if not complete["opt"]:  # without a recorded optimizer step, the own work is the input
-        between_own, between_others = per_step["data_own"], per_step["data_others"]
-        loop_own, loop_others = per_step["loop0_own"], per_step["loop0_others"]
-    else:
-        between_own, between_others = per_step["between_own"], per_step["between_others"]
-        loop_own, loop_others = per_step["loop_own"], per_step["loop_others"]
     picked, values = sample.rows, sample.values
     # the sampled steps' lines (their per-step arrays), for the sample's RunArrays
     lines = {
@@ -350,15 +356,15 @@ def digest_run(a: RunLines, cfg: DiagnosisConfig) -> RunDigest:
         own={
             "compute": per_step["compute_own"],
             "data": per_step["data_own"],
-            "between": between_own,
-            "loop": loop_own,
+            "between": per_step["between_own"],
+            "loop": per_step["loop_own"],
         },
         others={
             "wait": per_step["wait_others"],
             "compute": per_step["compute_others"],
             "data": per_step["data_others"],
-            "between": between_others,
-            "loop": loop_others,
+            "between": per_step["between_others"],
+            "loop": per_step["loop_others"],
         },
         local_others_wait=per_step["local_others"] if by_local else None,
         host_bound=bound if complete["host_bound"] else None,

@@ -71,8 +71,8 @@ BLOCK_FIELDS = {
 #: of those, the ones a block leaves out where some of its steps lack them (or, in a columnar file,
 #: hold a null)
 OPTIONAL_BLOCK_FIELDS = ("opt", "gc_ms", "gc_collections", "samples")
-#: numbers per block of :meth:`RunLines.rank_blocks` (steps x ranks): 4 Mi (32 MB a float64 field)
-_BLOCK_NUMBERS = 1 << 22
+#: numbers per block of :meth:`RunLines.rank_blocks` (steps x ranks): 1 Mi (8 MB a float64 field)
+_BLOCK_NUMBERS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -254,9 +254,12 @@ def _columnar_block(out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _json_blocks(path: Path, world: int, kept: np.ndarray, block: int) -> Iterator[dict[str, np.ndarray]]:
-    """The ``ranks`` lists of a record's step lines ``kept``, ``block`` steps at a time."""
+    """The ``ranks`` lists of a record's step lines ``kept``, ``block`` steps at a time, each line's
+    lists written into the block's arrays as it is read (held as Python objects, a block of 65k
+    steps x 64 ranks took 1.3 GB)."""
     every_rank_bound = [True] * world
-    rows: list[dict[str, Any]] = []
+    out: dict[str, np.ndarray] = {}
+    rows = 0  # rows of ``out`` written
     index, at = -1, 0  # the step line's index; the next kept index to reach
     for obj in iter_run_record(path):
         if obj.get("record") != "step":
@@ -267,19 +270,28 @@ def _json_blocks(path: Path, world: int, kept: np.ndarray, block: int) -> Iterat
         if index != kept[at]:
             continue
         at += 1
-        rows.append(obj["ranks"])
-        if len(rows) == block or at == len(kept):
-            out: dict[str, np.ndarray] = {}
-            for k, name in BLOCK_FIELDS.items():
-                if k == "host_bound":
-                    # a step line without it had every rank host-bound (the writer omits it then)
-                    out[k] = np.array([r.get(name) or every_rank_bound for r in rows], dtype=bool)
-                elif all(name in r for r in rows):
-                    out[k] = np.array([r[name] for r in rows], dtype=np.float64)  # None -> NaN
-                elif k not in OPTIONAL_BLOCK_FIELDS:
-                    raise RunRecordError(f"{path}: a step line has no ranks.{name}")
-            rows = []
+        if rows == 0:
+            size = min(block, len(kept) - at + 1)
+            out = {
+                k: np.empty((size, world), dtype=bool if k == "host_bound" else np.float64)
+                for k in BLOCK_FIELDS
+            }
+        ranks = obj["ranks"]
+        for k, name in BLOCK_FIELDS.items():
+            if k not in out:
+                continue  # an optional field some earlier step of the block lacked
+            if k == "host_bound":  # a step line without it had every rank host-bound
+                out[k][rows] = ranks.get(name) or every_rank_bound
+            elif name in ranks:
+                out[k][rows] = ranks[name]  # None -> NaN
+            elif k in OPTIONAL_BLOCK_FIELDS:
+                del out[k]
+            else:
+                raise RunRecordError(f"{path}: step line {index + 1} has no ranks.{name}")
+        rows += 1
+        if rows == len(out["wait"]):
             yield out
+            rows = 0
 
 
 def find_run_record(run_dir: str | os.PathLike[str]) -> Path:

@@ -84,7 +84,9 @@ def test_the_digest_keeps_what_the_whole_arrays_give(block, max_rows, monkeypatc
     steps, world = 50, 9
     monkeypatch.setattr(arrays_module, "_BLOCK_NUMBERS", block * world)
     a = _arrays(steps, world)
-    cfg = DiagnosisConfig(max_heatmap_rows=max_rows, max_heatmap_columns=8, projection_calibration_steps=20)
+    cfg = DiagnosisConfig(
+        max_heatmap_rows=max_rows, max_heatmap_columns=8, projection_calibration_steps=20, slow_ms_floor=3.6
+    )
     d = digest_run(a, cfg)
     w = a.wait
     late = w.argmin(axis=1)
@@ -106,7 +108,10 @@ def test_the_digest_keeps_what_the_whole_arrays_give(block, max_rows, monkeypatc
     assert d.local_others_wait is not None and np.array_equal(d.local_others_wait, group)
     assert d.gc is not None and d.host_bound is not None
     assert np.array_equal(d.gc.own, a.gc_ms[np.arange(steps), late])
-    assert np.array_equal(d.gc.others, [np.median(np.delete(a.gc_ms[s], late[s])) for s in range(steps)])
+    costly = d.skew >= cfg.slow_ms_floor  # the steps the GC check reads (the noise: above 5% of 40 ms)
+    assert 0 < costly.sum() < steps and np.isnan(d.gc.others[~costly]).all()
+    others = [np.median(np.delete(a.gc_ms[s], late[s])) for s in np.nonzero(costly)[0]]
+    assert np.array_equal(d.gc.others[costly], others)
     assert sorted(d.gc.pauses) == sorted(a.gc_ms[a.gc_ms >= cfg.slow_ms_floor]) and d.gc.longest == 12.0
     assert d.gc.collections == float(a.gc_collections.sum())
     assert np.array_equal(d.host_bound, a.host_bound[np.arange(steps), late])
