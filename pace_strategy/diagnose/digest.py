@@ -34,6 +34,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from pace_strategy.diagnose.config import DiagnosisConfig
+from pace_strategy.diagnose.noise import JitterFloor, jitter_floor
 from pace_strategy.telemetry.arrays import RunArrays, RunLines
 
 __all__ = [
@@ -119,7 +120,7 @@ class RunDigest:
     gc: GcDigest | None  #: None: not recorded in every step
     compute_mean: np.ndarray  #: [W] each rank's mean compute over the run, ms
     compute_std: np.ndarray  #: [W] its standard deviation, ms
-    floor_wait: np.ndarray  #: the waits of the jitter floor's steps (:func:`floor_rows`)
+    floor: JitterFloor  #: the run's noise floor, from the waits of the steps of :func:`floor_rows`
     growth_wait: np.ndarray  #: the waits of the growth curve's steps, in the order drawn
     sample: RunArrays  #: the projection's calibration steps, whole (:func:`sample_rows`)
     sample_rows: np.ndarray  #: their indices among the steps
@@ -379,7 +380,8 @@ def digest_run(a: RunLines, cfg: DiagnosisConfig, *, use_opt: bool = True) -> Ru
         else None,
         compute_mean=mean,
         compute_std=np.sqrt(m2 / max(count, 1)),
-        floor_wait=floor.values.get("wait", np.zeros((0, W))),
+        # the floor's sampled waits are its own: reduced in place (1.3 GB at 20,000 x 8,192)
+        floor=jitter_floor(floor.values.get("wait", np.zeros((0, W))), a.step_ms, overwrite_input=True),
         growth_wait=growth.values.get("wait", np.zeros((0, W))),
         sample=RunArrays(
             **lines,

@@ -23,6 +23,8 @@ __all__ = ["JitterFloor", "expected_max_normal", "jitter_floor"]
 
 #: MAD -> standard deviation of a normal distribution
 _MAD_TO_SD = 1.4826
+#: ranks whose median over the steps is taken at a time (a [steps, 128] copy: 20 MB at 20,000 steps)
+_COLUMNS = 128
 #: integration grid of the order statistic, in standard deviations
 _GRID = np.linspace(-9.0, 9.0, 3601)
 
@@ -57,9 +59,10 @@ class JitterFloor:
         return self.expected_lead_ms / self.mean_step_ms if self.mean_step_ms > 0 else 0.0
 
 
-def jitter_floor(wait: np.ndarray, step_ms: np.ndarray) -> JitterFloor:
+def jitter_floor(wait: np.ndarray, step_ms: np.ndarray, *, overwrite_input: bool = False) -> JitterFloor:
     """The noise floor of a run from its waits (``[steps, ranks]``: every step's, or a sample of
     steps, :func:`pace_strategy.diagnose.digest.floor_rows`) and step times (``[steps]``, every step).
+    ``overwrite_input``: ``wait`` (C-contiguous) may be overwritten (no copy of it is made).
 
     A rank's arrival relative to the step's mean arrival is ``mean(wait) - wait_r``; its own median
     over steps (a persistent offset, which is a finding, not jitter) is removed; the MAD of the rest,
@@ -69,13 +72,15 @@ def jitter_floor(wait: np.ndarray, step_ms: np.ndarray) -> JitterFloor:
     steps, ranks = wait.shape
     if ranks < 2 or steps == 0:
         return JitterFloor(ranks, 0.0, 0.0, float(step_ms.mean()) if len(step_ms) else 0.0)
-    w = wait
     # In place where the values allow: at 20,000 sampled steps x 8,192 ranks every [steps, ranks]
     # temporary is 1.3 GB (and, first touched, slow to page in); the numbers are the same.
-    late = w.mean(axis=RANK_AXIS, keepdims=True) - w
-    # each rank's median over the steps, from one contiguous copy of the ranks' columns
-    late -= np.median(np.ascontiguousarray(late.T), axis=1, overwrite_input=True)[None, :]
-    late -= np.median(late)  # the residuals about their own median
+    late = np.subtract(wait.mean(axis=RANK_AXIS, keepdims=True), wait, out=wait if overwrite_input else None)
+    # each rank's median over the steps, a block of ranks at a time (the same values as over a
+    # transposed copy of the whole: a median does not depend on the order it reads)
+    late -= np.concatenate([np.median(late[:, i : i + _COLUMNS], axis=0) for i in range(0, ranks, _COLUMNS)])
+    # the residuals about their own median, then their MAD: both medians partition ``late`` in
+    # place (its order no longer matters: what follows is elementwise, then a median of all)
+    late -= np.median(late, overwrite_input=True)
     mad = float(np.median(np.abs(late, out=late), overwrite_input=True))
     sigma = _MAD_TO_SD * mad * math.sqrt(ranks / (ranks - 1))
     return JitterFloor(ranks, sigma, sigma * expected_max_normal(ranks), float(step_ms.mean()))

@@ -8,7 +8,6 @@ import numpy as np
 from pace_strategy.diagnose.config import DiagnosisConfig
 from pace_strategy.diagnose.digest import GROWTH_SAMPLE_STEPS, GROWTH_SEED, RunDigest, digest_run, noise_ms
 from pace_strategy.diagnose.hosts import HostLoad, host_loads
-from pace_strategy.diagnose.noise import jitter_floor
 from pace_strategy.diagnose.result import Finding, Mode
 from pace_strategy.telemetry.arrays import RunLines
 
@@ -103,7 +102,7 @@ class RunStats:
         self.nodes = [n if n is not None and n >= 0 else self.hosts[r] for r, n in enumerate(nodes)]
         local = a.topology("local_rank")
         self.local = [x if x is not None and x >= 0 else -1 for x in local]
-        self.floor = jitter_floor(digest.floor_wait, a.step_ms)
+        self.floor = digest.floor
         self.crowded: list[HostLoad] = [
             h for h in host_loads(list(a.header.get("topology", []))) if h.ratio > cfg.busy_threads_per_core
         ]

@@ -16,6 +16,7 @@ import pytest
 from pace_strategy.diagnose.config import DiagnosisConfig
 from pace_strategy.diagnose.digest import digest_run, floor_rows, growth_rows, sample_rows
 from pace_strategy.diagnose.findings import diagnose, diagnose_run
+from pace_strategy.diagnose.noise import jitter_floor
 from pace_strategy.diagnose.report import _bin_steps, render_report
 from pace_strategy.telemetry import arrays as arrays_module
 from pace_strategy.telemetry.arrays import DIAGNOSIS_SKIP, RunArrays, load_arrays, load_lines
@@ -118,7 +119,7 @@ def test_the_digest_keeps_what_the_whole_arrays_give(block, max_rows, monkeypatc
     np.testing.assert_allclose(d.compute_std, a.compute.std(axis=0), rtol=1e-12)
     np.testing.assert_allclose(d.compute_mean, a.compute.mean(axis=0), rtol=1e-12)
     # the sampled rows, whole
-    assert np.array_equal(d.floor_wait, w[floor_rows(steps)])
+    assert d.floor == jitter_floor(w[floor_rows(steps)], a.step_ms) and d.floor.sigma_ms > 0
     assert np.array_equal(d.growth_wait, w[growth_rows(np.random.default_rng(0), steps)])
     rows = sample_rows(steps, 20)
     assert len(rows) == 20 and np.array_equal(d.sample_rows, rows)
@@ -198,3 +199,18 @@ def test_the_report_of_a_streamed_run_is_the_report_of_the_run_in_memory(tmp_pat
     for name in ("skew", "lead_heatmap", "stragglers", "step_time", "delays"):
         assert streamed[name].read_bytes() == loaded[name].read_bytes(), name
     assert json.dumps(diagnosis.to_dict())  # serializable as pace diagnose --json prints it
+
+
+def test_the_jitter_floor_in_place_and_by_blocks_of_ranks_is_the_floor_of_the_whole():
+    rng = np.random.default_rng(3)
+    wait, step_ms = np.round(rng.gamma(2.0, 1.5, (400, 300)), 3), 40 + rng.random(400)
+    # the floor as the whole arrays give it: each rank's median over the steps removed, then the MAD
+    late = wait.mean(axis=1, keepdims=True) - wait
+    late = late - np.median(late, axis=0)
+    late = np.abs(late - np.median(late))
+    sigma = 1.4826 * float(np.median(late)) * math.sqrt(300 / 299)
+    floor = jitter_floor(wait, step_ms)
+    assert floor.sigma_ms == sigma and floor.ranks == 300
+    kept = wait.copy()
+    assert jitter_floor(kept, step_ms, overwrite_input=True) == floor
+    assert not np.array_equal(kept, wait)  # overwritten, as asked
