@@ -19,7 +19,7 @@ columns in Arrow (``record_format: arrow``), side by side with their ratios.
         [--writer-columns] [--modes streamed,loaded] [--keep DIR | --record DIR]
 
 ``--keep DIR`` keeps the written record(s) in DIR; ``--record DIR`` diagnoses the ones kept there
-(no writing: a 100k x 8,192 record takes minutes to write and 8 GB of disk).
+(no writing: a 100k x 8,192 record takes minutes to write and 9.6 GB of disk).
 """
 
 from __future__ import annotations
