@@ -217,7 +217,7 @@ def test_a_wide_world_is_summarized_without_per_rank_objects(tmp_path):
 
 
 def test_node_shards_merge_into_every_ranks_columns_up_to_the_shortest(tmp_path):
-    from pace_strategy.telemetry.columnar import RankColumnsWriter, read_shards
+    from pace_strategy.telemetry.columnar import RankColumnsWriter, iter_shard_rows, read_shards, shard_steps
 
     rng = np.random.default_rng(0)
     written: dict[str, np.ndarray] = {}  # [steps, 5 ranks] of what each shard wrote
@@ -249,3 +249,13 @@ def test_node_shards_merge_into_every_ranks_columns_up_to_the_shortest(tmp_path)
             assert np.array_equal(columns[k], written[k][rows])
         assert columns["host_bound"].dtype == bool
         assert np.array_equal(columns["host_bound"], expected_bound[rows])
+    # read a few steps at a time, as the streaming diagnosis reads them: the same rows, in order
+    labels, truncated = shard_steps(tmp_path, shards, 5)
+    assert labels.tolist() == list(range(7)) and truncated
+    for steps in (None, 5):
+        blocks = list(iter_shard_rows(tmp_path, shards, 5, names, flags=("host_bound",), steps=steps))
+        assert len(blocks) > 1  # a batch of each file at a time
+        held = 7 if steps is None else steps
+        for k in ("compute_ms", "wait_ms"):
+            assert np.array_equal(np.concatenate([b[k] for b in blocks]), written[k][:held])
+        assert np.array_equal(np.concatenate([b["host_bound"] for b in blocks]), expected_bound[:held])
