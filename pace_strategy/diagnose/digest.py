@@ -12,13 +12,15 @@ median of the others', and, per run, what a few statistics need:
   other ranks' median; the other ranks' median wait, also without the straggler's whole local-index
   group (the locality check); its GC time and host-bound flag;
 - per rank (``[W]``): the mean and standard deviation of its compute over the run;
-- the steps a statistic samples, whole rows: the jitter floor's (up to 20,000 steps), the growth
-  curve's (up to 5,000), the projection's calibration (``projection_calibration_steps``), which the
-  per-sample speed reads too; for a run shorter than a sample, every step;
+- the steps a statistic samples, whole rows: the jitter floor's (up to 20,000 steps; reduced to the
+  floor in place when the pass ends), the growth curve's (up to 5,000), the projection's calibration
+  (``projection_calibration_steps``), which the per-sample speed reads too; for a run shorter than a
+  sample, every step;
 - for the report: the lead heat map, binned over steps as the plot bins it.
 
 So the memory is a block, the ``[S]`` vectors and the sampled rows (at 100k steps x 8,192 ranks:
-about 3 GB, against 6.5 GB for one whole float64 field), and the same code serves a run held in
+3.3 GB, against 6.5 GB for one whole float64 field; the diagnosis peaked 3.6 GB above its start,
+``benchmarks/diagnose_scale.py``), and the same code serves a run held in
 memory (:class:`RunArrays`) and one read from disk. Each number is the one the checks computed
 from the whole arrays (the same numpy reductions of the same rows), but the per-rank compute
 spread, which is merged over the blocks (Chan et al.'s pairwise update): equal to numpy's
