@@ -4,6 +4,7 @@ block (``load_lines``) is diagnosed exactly as the same record loaded whole (``l
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -20,6 +21,7 @@ from pace_strategy.diagnose.noise import jitter_floor
 from pace_strategy.diagnose.report import _bin_steps, render_report
 from pace_strategy.telemetry import arrays as arrays_module
 from pace_strategy.telemetry.arrays import DIAGNOSIS_SKIP, RunArrays, load_arrays, load_lines
+from tests.unit.test_diagnose_findings import arrays as synthetic
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -55,27 +57,24 @@ def _arrays(steps: int, world: int, seed: int = 0, per_node: int = 3) -> RunArra
     opt = np.round(1 + rng.random((steps, world)), 3)
     gap = np.round(data + 2 * rng.random((steps, world)), 3)
     gc = np.where(rng.random((steps, world)) < 0.1, 12.0, 0.0)
-    topo = [{"rank": r, "host": f"h{r // per_node}", "node_rank": r // per_node, "local_rank": r % per_node}
-            for r in range(world)]  # fmt: skip
-    return RunArrays(
-        path=Path("synthetic"),
-        header={"world_size": world, "topology": topo},
-        end={"status": "completed"},
-        truncated=False,
-        total_steps=steps,
-        step=np.arange(steps),
-        wait=wait,
-        compute=compute,
+    ranks = range(world)
+    run = synthetic(
+        compute,
         data=data,
         gap=gap,
+        hosts=[f"h{r // per_node}" for r in ranks],
+        nodes=[r // per_node for r in ranks],
+        local=[r % per_node for r in ranks],
+    )
+    return dataclasses.replace(
+        run,
+        wait=wait,
         opt=opt,
         gc_ms=gc,
         gc_collections=(gc > 0).astype(float),
         samples=np.full((steps, world), 8.0),
         host_bound=rng.random((steps, world)) < 0.8,
         step_ms=np.round(40 + rng.random(steps), 3),
-        pacing_active=np.zeros(steps, dtype=bool),
-        decisions=[],
     )
 
 
