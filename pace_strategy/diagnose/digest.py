@@ -37,7 +37,7 @@ import numpy as np
 
 from pace_strategy.diagnose.config import DiagnosisConfig
 from pace_strategy.diagnose.noise import JitterFloor, jitter_floor
-from pace_strategy.telemetry.arrays import RunArrays, RunLines
+from pace_strategy.telemetry.arrays import RunArrays, RunLines, sample_steps
 
 __all__ = [
     "FLOOR_SAMPLE_STEPS",
@@ -57,8 +57,6 @@ FLOOR_SEED = 0
 #: reproducible)
 GROWTH_SAMPLE_STEPS = 5000
 GROWTH_SEED = 0
-#: the projection's calibration sample
-SAMPLE_SEED = 0
 
 
 def noise_ms(cfg: DiagnosisConfig, median_step_ms: float) -> float:
@@ -81,10 +79,9 @@ def growth_rows(rng: np.random.Generator, steps: int) -> np.ndarray:
 
 
 def sample_rows(steps: int, size: int) -> np.ndarray:
-    """The projection's calibration steps (ascending): a seeded sample of ``size``, or all."""
-    if steps <= size:
-        return np.arange(steps)
-    return np.sort(np.random.default_rng(SAMPLE_SEED).choice(steps, size=size, replace=False))
+    """The projection's calibration steps (ascending): a seeded sample of ``size``, or all (as
+    ``pace simulate --from-run`` samples them)."""
+    return sample_steps(steps, size)
 
 
 @dataclass

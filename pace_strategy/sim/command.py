@@ -34,6 +34,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=1000, help="with --from-run: simulated steps per run")
     p.add_argument(
+        "--calibration-steps",
+        type=int,
+        default=5000,
+        help="with --from-run: recorded steps the fit reads, a seeded sample of a longer run (default "
+        "5000, as pace diagnose's projection; every step of a shorter one): the memory of the sample, not "
+        "the run",
+    )
+    p.add_argument(
         "--oversubscription",
         type=float,
         default=None,
@@ -157,9 +165,14 @@ def _from_run(args: argparse.Namespace) -> int:
     from pace_strategy.settings import build
     from pace_strategy.sim.calibrate import fit, oversubscription_factor, predict
     from pace_strategy.sim.model import NetworkModel
-    from pace_strategy.telemetry.arrays import DIAGNOSIS_SKIP, load_arrays
+    from pace_strategy.telemetry.arrays import load_lines, sample_arrays, sample_steps
 
-    arrays = load_arrays(args.from_run, skip=DIAGNOSIS_SKIP)
+    if args.calibration_steps < 1:
+        raise PacingConfigError(
+            f"--calibration-steps {args.calibration_steps} is invalid: the fit needs at least 1 step"
+        )
+    lines = load_lines(args.from_run)  # the per-rank numbers of the sampled steps only are held
+    arrays = sample_arrays(lines, sample_steps(lines.steps, args.calibration_steps))
     cal = fit(arrays)
     ranks = [int(x) for x in args.ranks.split(",") if x] or [cal.ranks, cal.ranks * 16, cal.ranks * 128]
     recorded = PacingConfig.from_dict(arrays.header.get("config") or {}, warn=False)  # any version's record

@@ -35,6 +35,8 @@ __all__ = [
     "load_lines",
     "load_timeline",
     "load_timeline_lines",
+    "sample_arrays",
+    "sample_steps",
     "timeline_records",
 ]
 
@@ -206,6 +208,44 @@ class RunArrays(RunLines):
         step = self.block_steps()
         for i in range(0, self.steps, step):
             yield {k: v[i : i + step] for k, v in held.items()}
+
+
+def sample_steps(steps: int, size: int, seed: int = 0) -> np.ndarray:
+    """``size`` of ``steps`` step indices drawn with ``seed``, ascending; every step of a run of at
+    most ``size``."""
+    if steps <= size:
+        return np.arange(steps)
+    return np.sort(np.random.default_rng(seed).choice(steps, size=size, replace=False))
+
+
+def sample_arrays(a: RunLines, rows: np.ndarray) -> RunArrays:
+    """The steps ``rows`` of ``a`` (indices among its steps, ascending) with their per-rank numbers
+    in memory, read a block at a time (:meth:`RunLines.rank_blocks`): a sample of a run too large to
+    load whole (``pace simulate --from-run --calibration-steps``)."""
+    chosen = a.select(rows)
+    blocks = list(chosen.rank_blocks())
+    lines = {f.name: getattr(chosen, f.name) for f in dataclasses.fields(RunLines)}
+
+    def joined(name: str) -> np.ndarray | None:
+        if not blocks:
+            return np.zeros((0, a.world_size))
+        parts = [b.get(name) for b in blocks]
+        return None if any(p is None for p in parts) else np.concatenate(parts)  # type: ignore[arg-type]
+
+    wait, compute, data, gap = (joined(k) for k in ("wait", "compute", "data", "gap"))
+    assert wait is not None and compute is not None and data is not None and gap is not None
+    return RunArrays(
+        **lines,
+        wait=wait,
+        compute=compute,
+        data=data,
+        gap=gap,
+        opt=joined("opt"),
+        gc_ms=joined("gc_ms"),
+        gc_collections=joined("gc_collections"),
+        samples=joined("samples"),
+        host_bound=joined("host_bound"),
+    )
 
 
 def _source_blocks(

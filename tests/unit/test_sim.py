@@ -1,5 +1,6 @@
 """The simulator against theory, against a recorded run, and against its own claims."""
 
+import dataclasses
 import json
 import math
 import re
@@ -16,6 +17,7 @@ from pace_strategy.sim.command import main as simulate_main
 from pace_strategy.sim.model import ComputeModel, NetworkModel, SimConfig
 from pace_strategy.sim.network import inter_node_bandwidth_gbps, ring_allreduce_ms, step_collective_ms
 from pace_strategy.sim.sweep import simulate
+from pace_strategy.telemetry.arrays import load_lines, sample_arrays, sample_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
@@ -142,3 +144,24 @@ def test_from_run_what_ifs(capsys):
     assert large["oversubscribed_throughput_ratio"] < 1.0
     assert small["paced_throughput_ratio"] == pytest.approx(1.0, abs=0.02)
     assert "fitted from" in out["fit"]
+
+
+def test_from_run_calibrates_on_a_sample_read_a_block_at_a_time(capsys):
+    fixture = ROOT / "tests/fixtures/run4_transient.jsonl"
+    whole, lines = load_arrays(fixture), load_lines(fixture)
+    # a run no longer than the sample: every step, the same fit as the run loaded whole
+    every = fit(sample_arrays(lines, sample_steps(lines.steps, 5000)))
+    for f in dataclasses.fields(every):
+        x, y = getattr(every, f.name), getattr(fit(whole), f.name)
+        assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y, f.name
+    # a longer one: the seeded sample's rows, as the run loaded whole holds them
+    rows = sample_steps(lines.steps, 50)
+    sample = sample_arrays(lines, rows)
+    assert len(rows) == 50 and np.array_equal(rows, np.sort(rows))
+    for name in ("wait", "compute", "data", "gap", "step_ms", "step"):
+        assert np.array_equal(getattr(sample, name), getattr(whole, name)[rows]), name
+    args = ["--from-run", str(fixture), "--ranks", "4", "--steps", "100", "--json"]
+    assert simulate_main([*args, "--calibration-steps", "50"]) == 0
+    assert json.loads(capsys.readouterr().out)["fit"].startswith("fitted from 50 steps x 4 ranks")
+    assert simulate_main([*args, "--calibration-steps", "0"]) == 2
+    assert "--calibration-steps 0 is invalid" in capsys.readouterr().err
