@@ -41,6 +41,7 @@ from pace_strategy.telemetry.arrays import DIAGNOSIS_SKIP, load_arrays, load_lin
 from pace_strategy.telemetry.columnar import (
     COLUMNS_SCHEMA,
     COLUMNS_VERSION,
+    SHARD_BATCH_ROWS,
     RankColumnsWriter,
     rank_columns_filename,
 )
@@ -131,16 +132,37 @@ def write_record(path: Path, steps: int, ranks: int, per_node: int) -> None:
 
 
 def write_arrow_record(
-    path: Path, steps: int, ranks: int, per_node: int, writer_columns: bool = False
+    path: Path, steps: int, ranks: int, per_node: int, writer_columns: bool = False, shards: bool = False
 ) -> None:
     """The same synthetic run written straight in the columnar form (no JSON per rank), for sizes
     whose JSON lines would take many GB: the step lines of the global stream and one batch of
     per-rank columns per 32 steps. ``writer_columns``: also the per-rank columns today's writer
     records (optimizer time ~2 ms, a 3 ms GC pause in 1% of rank-steps, a collection in 5%, 32
-    samples), which the diagnosis loads too."""
+    samples), which the diagnosis loads too. ``shards``: one file per node, as the node leaders
+    write them (``exchange_topology: node_leaders``), instead of one file of every rank."""
     rng = np.random.default_rng(1)
-    columns = RankColumnsWriter(path.with_name(rank_columns_filename(path.name)), ranks)
-    described = {"file": columns.path.name, "schema": COLUMNS_SCHEMA, "version": COLUMNS_VERSION}
+    nodes = (
+        [range(n, min(n + per_node, ranks)) for n in range(0, ranks, per_node)] if shards else [range(ranks)]
+    )
+    # a node shard holds windows into batches as a node leader's does (SHARD_BATCH_ROWS)
+    writers = [
+        RankColumnsWriter(
+            path.with_name(rank_columns_filename(path.name, i if shards else None)),
+            len(node),
+            ranks=node,
+            min_batch_rows=SHARD_BATCH_ROWS if shards else 0,
+        )
+        for i, node in enumerate(nodes)
+    ]
+    schema = {"schema": COLUMNS_SCHEMA, "version": COLUMNS_VERSION}
+    described: dict[str, object] = (
+        {
+            "shards": [{"file": w.path.name, "ranks": list(n)} for w, n in zip(writers, nodes, strict=True)],
+            **schema,
+        }
+        if shards
+        else {"file": writers[0].path.name, **schema}
+    )
     with path.open("w") as f:
         f.write(header(ranks, per_node, rank_columns=described) + "\n")
         for start, compute, wait in windows(steps, ranks, per_node, 32):
@@ -154,12 +176,15 @@ def write_arrow_record(
                 rows["gc_ms"] = np.round((rng.random(shape) < 0.01) * 3.0, 3)
                 rows["gc_collections"] = (rng.random(shape) < 0.05).astype(np.int32)
                 rows["samples"] = np.full(shape, 32, dtype=np.int32)
-            columns.write_rows(list(range(start, start + len(compute))), rows)
+            labels = list(range(start, start + len(compute)))
+            for writer, node in zip(writers, nodes, strict=True):
+                writer.write_rows(labels, {k: v[:, node.start : node.stop] for k, v in rows.items()})
             lines = [json.dumps(step_line(start + i, compute[i], wait[i])) for i in range(len(compute))]
             f.write("\n".join(lines) + "\n")
             if (start // 32) % 500 == 0:
                 print(f"  wrote {start + len(compute):,}/{steps:,} steps", flush=True)
-    columns.close()
+    for writer in writers:
+        writer.close()
 
 
 def _status_mb(key: str) -> float | None:
@@ -235,6 +260,11 @@ def main() -> int:
         help="with --formats arrow: also the per-rank optimizer, GC and sample columns a real record has",
     )
     p.add_argument(
+        "--shards",
+        action="store_true",
+        help="with --formats arrow: one file per node (--per-node ranks), as node leaders write them",
+    )
+    p.add_argument(
         "--modes",
         default="streamed,loaded",
         help="streamed: as pace diagnose reads a record (a block of steps at a time); loaded: the "
@@ -255,7 +285,9 @@ def main() -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             if formats == ["arrow"]:  # no JSON per rank at all: written in the columnar form directly
                 arrow.parent.mkdir(exist_ok=True)
-                write_arrow_record(arrow, args.steps, args.ranks, args.per_node, args.writer_columns)
+                write_arrow_record(
+                    arrow, args.steps, args.ranks, args.per_node, args.writer_columns, args.shards
+                )
             else:
                 write_record(path, args.steps, args.ranks, args.per_node)
             if "arrow" in formats and "jsonl" in formats:

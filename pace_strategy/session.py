@@ -50,7 +50,7 @@ from pace_strategy.core.pacer import Pacer, WindowResult
 from pace_strategy.core.state import STATE_VERSION, PacingStateError, StatefulComponent, check_state
 from pace_strategy.core.summary import StepSummarizer
 from pace_strategy.core.watchdog import HANG_EXIT_CODE, HangReport, HangWatchdog, job_store
-from pace_strategy.telemetry.columnar import RankColumnsWriter, rank_columns_filename
+from pace_strategy.telemetry.columnar import SHARD_BATCH_ROWS, RankColumnsWriter, rank_columns_filename
 from pace_strategy.telemetry.record_lines import HangLine, ResumeLine
 from pace_strategy.telemetry.run_record import RunRecordWriter, record_filename
 from pace_strategy.telemetry.schema import dashboard_layout, step_metrics
@@ -304,7 +304,11 @@ class PacingSession:
             if where is not None and hierarchy.is_leader:
                 members = hierarchy.layout.nodes[hierarchy.node]
                 shard = Path(where).with_name(rank_columns_filename(Path(where).name, hierarchy.node))
-                self.shard = RankColumnsWriter(shard, len(members), ranks=members)
+                # a batch of many windows: a window of a node's ranks is a few hundred rows, and a
+                # reader pays per batch (a crash loses the windows held, at most 30 s of them)
+                self.shard = RankColumnsWriter(
+                    shard, len(members), ranks=members, min_batch_rows=SHARD_BATCH_ROWS
+                )
         self._finished = False
         # Every rank times its own collections (a callback per collection, nothing per step); with
         # gc_sync the Pacer also collects at agreed steps. Both are undone in _close, whatever ends the run.

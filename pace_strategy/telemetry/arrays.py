@@ -75,6 +75,8 @@ BLOCK_FIELDS = {
 OPTIONAL_BLOCK_FIELDS = ("opt", "gc_ms", "gc_collections", "samples")
 #: numbers per block of :meth:`RunLines.rank_blocks` (steps x ranks): 1 Mi (8 MB a float64 field)
 _BLOCK_NUMBERS = 1 << 20
+#: numbers of one file a columnar read converts at once, at least
+_CONVERTED = 8192
 
 
 @dataclass(frozen=True)
@@ -261,8 +263,18 @@ def _source_blocks(
     names = [BLOCK_FIELDS[k] for k in BLOCK_FIELDS]
     parts: list[dict[str, np.ndarray]] = []
     held, first = 0, 0  # rows in ``parts``; the file's index of the next row read
+    # a file's conversions of a chunk cover at least 8,192 numbers (a node shard of 8 ranks: 1,024
+    # steps), else their overhead costs more than the numbers
+    narrowest = min(len(ranks) for _, ranks in source.columnar)
+    chunk = max(block, min(4096, _CONVERTED // max(narrowest, 1)))
     rows = iter_shard_rows(
-        source.path.parent, source.columnar, world, names, flags=("host_bound",), steps=int(kept[-1]) + 1
+        source.path.parent,
+        source.columnar,
+        world,
+        names,
+        flags=("host_bound",),
+        steps=int(kept[-1]) + 1,
+        chunk_steps=chunk,
     )
     for values in rows:
         count = len(values["wait_ms"])

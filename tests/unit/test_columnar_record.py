@@ -252,10 +252,39 @@ def test_node_shards_merge_into_every_ranks_columns_up_to_the_shortest(tmp_path)
     # read a few steps at a time, as the streaming diagnosis reads them: the same rows, in order
     labels, truncated = shard_steps(tmp_path, shards, 5)
     assert labels.tolist() == list(range(7)) and truncated
-    for steps in (None, 5):
-        blocks = list(iter_shard_rows(tmp_path, shards, 5, names, flags=("host_bound",), steps=steps))
-        assert len(blocks) > 1  # a batch of each file at a time
+    # chunks across the files' 4-step batches, up to the steps every file holds (7) or fewer
+    for steps, chunk, sizes in ((None, 3, [3, 3, 1]), (5, 3, [3, 2]), (None, 256, [7])):
+        blocks = list(
+            iter_shard_rows(tmp_path, shards, 5, names, flags=("host_bound",), steps=steps, chunk_steps=chunk)
+        )
+        assert [len(b["wait_ms"]) for b in blocks] == sizes
         held = 7 if steps is None else steps
         for k in ("compute_ms", "wait_ms"):
             assert np.array_equal(np.concatenate([b[k] for b in blocks]), written[k][:held])
         assert np.array_equal(np.concatenate([b["host_bound"] for b in blocks]), expected_bound[:held])
+
+
+def test_a_shard_writer_holds_windows_into_fewer_batches(tmp_path):
+    from pace_strategy.telemetry.columnar import RankColumnsWriter, read_rank_columns
+
+    rng = np.random.default_rng(1)
+    windows = [np.round(rng.random((2, 3)) * 10, 3) for _ in range(5)]  # 2 steps x 3 ranks each
+
+    def batches(path: Path) -> list[int]:
+        with pa.OSFile(str(path)) as f:
+            return [b.num_rows for b in pa.ipc.open_stream(f)]
+
+    held = RankColumnsWriter(tmp_path / "held.arrow", 3, ranks=[4, 5, 6], min_batch_rows=10)
+    each = RankColumnsWriter(tmp_path / "each.arrow", 3, ranks=[4, 5, 6], min_batch_rows=10, max_hold_s=0.0)
+    for i, w in enumerate(windows):
+        for writer in (held, each):
+            writer.write_rows([2 * i, 2 * i + 1], {"wait_ms": w})
+        if i == 0:  # 6 rows held, fewer than 10: nothing written yet
+            assert not held.path.exists() and held.rows_written == 0 and each.rows_written == 6
+    held.close()  # the last window's 6 rows, held until now
+    each.close()
+    assert batches(held.path) == [12, 12, 6] and batches(each.path) == [6] * 5
+    for path in (held.path, each.path):
+        columns, labels, truncated = read_rank_columns(path, 3, ["wait_ms"])
+        assert labels.tolist() == list(range(10)) and not truncated
+        assert np.array_equal(columns["wait_ms"], np.concatenate(windows))
