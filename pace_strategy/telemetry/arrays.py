@@ -50,8 +50,8 @@ _RANK_FIELDS = ("wait_ms", "compute_ms", "data_ms", "gap_ms")
 #: record's name. No check of the diagnosis reads either: the step's time is the slowest rank's
 #: (``step_ms``), and the report plots the step's largest delay (``delay_max``).
 _SKIPPABLE = {"rank_step": "step_ms", "delay": "delay_ms"}
-#: what ``pace diagnose``, ``pace simulate --from-run`` and the demo leave out: each is a [steps,
-#: ranks] array (819 MB at 100k steps x 1,024 ranks)
+#: what a diagnosis of a run loaded whole can leave out: each is a [steps, ranks] array (819 MB at
+#: 100k steps x 1,024 ranks). ``pace diagnose`` itself holds no such array (:meth:`RunLines.rank_blocks`)
 DIAGNOSIS_SKIP = ("rank_step", "delay")
 #: per-rank fields that later records add: loaded when every kept step has them, else left ``None``
 _OPTIONAL_RANK_FIELDS = ("gc_ms", "gc_collections", "samples", "opt_ms")
