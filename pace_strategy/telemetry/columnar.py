@@ -480,9 +480,10 @@ def iter_shard_rows(
     """The record's per-rank ``columns`` (every file merged into ``[steps, world_size]`` arrays, as
     :func:`read_shards` gives them) ``chunk_steps`` steps at a time, in order, for the first
     ``steps`` steps (default: every step the files all hold): the memory is a chunk, not the run.
-    Each file's batches of a chunk are converted together: a node shard's batch is a window of a
-    few ranks (32 steps x 8 ranks), and converting every column of every file's every batch on its
-    own cost more than the numbers (about 29 million conversions at 100k steps x 8,192 ranks)."""
+    Each file's rows of a chunk are converted together: a node shard holds a few ranks (a batch per
+    window of 32 steps x 8 ranks in records written before the shards held their windows), and
+    converting every column of every file's every batch on its own costs more than the numbers
+    (about 29 million conversions at 100k steps x 8,192 ranks)."""
     pa = _pyarrow()
     files = [iter(_FileBatches(directory / name, len(ranks), columns)) for name, ranks in shards]
     # where each file's ranks go: a slice where they are consecutive (a node's), else their indices
