@@ -267,7 +267,7 @@ def _source_blocks(
     # steps), else their overhead costs more than the numbers
     narrowest = min(len(ranks) for _, ranks in source.columnar)
     chunk = max(block, min(4096, _CONVERTED // max(narrowest, 1)))
-    rows = iter_shard_rows(
+    chunks = iter_shard_rows(
         source.path.parent,
         source.columnar,
         world,
@@ -276,12 +276,14 @@ def _source_blocks(
         steps=int(kept[-1]) + 1,
         chunk_steps=chunk,
     )
-    for values in rows:
+    for values in chunks:
         count = len(values["wait_ms"])
         lo, hi = np.searchsorted(kept, (first, first + count))
-        take = kept[lo:hi] - first
+        rows = kept[lo:hi] - first
         first += count
         if hi > lo:
+            # consecutive rows (every step kept): views, no copy
+            take = slice(int(rows[0]), int(rows[-1]) + 1) if rows[-1] - rows[0] == hi - lo - 1 else rows
             parts.append({k: values[name][take] for k, name in BLOCK_FIELDS.items()})
             held += hi - lo
         while held >= block:  # whole blocks out, the rest kept for the next
