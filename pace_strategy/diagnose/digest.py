@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -66,22 +66,12 @@ def noise_ms(cfg: DiagnosisConfig, median_step_ms: float) -> float:
 
 def floor_rows(steps: int) -> np.ndarray:
     """The steps (ascending) the jitter floor reads: a seeded sample of a long run, else all."""
-    if steps > FLOOR_SAMPLE_STEPS:
-        return np.sort(
-            np.random.default_rng(FLOOR_SEED).choice(steps, size=FLOOR_SAMPLE_STEPS, replace=False)
-        )
-    return np.arange(steps)
+    return sample_steps(steps, FLOOR_SAMPLE_STEPS, FLOOR_SEED)
 
 
 def growth_rows(rng: np.random.Generator, steps: int) -> np.ndarray:
     """The steps the growth curve reads, in the order drawn (the curve's draws go on from ``rng``)."""
     return rng.choice(steps, size=min(steps, GROWTH_SAMPLE_STEPS), replace=False)
-
-
-def sample_rows(steps: int, size: int) -> np.ndarray:
-    """The projection's calibration steps (ascending): a seeded sample of ``size``, or all (as
-    ``pace simulate --from-run`` samples them)."""
-    return sample_steps(steps, size)
 
 
 @dataclass
@@ -121,7 +111,8 @@ class RunDigest:
     compute_std: np.ndarray  #: [W] its standard deviation, ms
     floor: JitterFloor  #: the run's noise floor, from the waits of the steps of :func:`floor_rows`
     growth_wait: np.ndarray  #: the waits of the growth curve's steps, in the order drawn
-    sample: RunArrays  #: the projection's calibration steps, whole (:func:`sample_rows`)
+    #: the projection's calibration steps, whole (``sample_steps(S, projection_calibration_steps)``)
+    sample: RunArrays
     sample_rows: np.ndarray  #: their indices among the steps
     heat: np.ndarray  #: the lead heat map: [steps or step bins, ranks or nodes], ms
     heat_labels: list[str]  #: its rows' names (``r3``, or ``node 1``)
@@ -241,7 +232,7 @@ def digest_run(a: RunLines, cfg: DiagnosisConfig, *, use_opt: bool = True) -> Ru
     local = np.asarray([x if x is not None and x >= 0 else -1 for x in a.topology("local_rank")])
     by_local = len(local) > 0 and local.min() >= 0 and len(set(local.tolist())) >= 2
     floor, growth = _Rows(floor_rows(S)), _Rows(growth_rows(np.random.default_rng(GROWTH_SEED), S))
-    sample = _Rows(sample_rows(S, cfg.projection_calibration_steps))
+    sample = _Rows(sample_steps(S, cfg.projection_calibration_steps))
     order, groups, heat_labels = _heat_layout(a, cfg)
     heat = _Bins(S, cfg.max_heatmap_columns)
     pauses: list[np.ndarray] = []
@@ -335,12 +326,6 @@ def digest_run(a: RunLines, cfg: DiagnosisConfig, *, use_opt: bool = True) -> Ru
     for name in ("gc_ms", "gc_collections", "host_bound"):
         complete[name] = complete[name] and S > 0
     picked, values = sample.rows, sample.values
-    # the sampled steps' lines (their per-step arrays), for the sample's RunArrays
-    lines = {
-        f.name: value[picked] if isinstance(value, np.ndarray) and f.name != "rows" else value
-        for f in fields(RunLines)
-        for value in (getattr(a, f.name),)
-    }
 
     def sampled(name: str) -> np.ndarray:
         return values.get(name, np.zeros((len(picked), W)))
@@ -382,8 +367,8 @@ def digest_run(a: RunLines, cfg: DiagnosisConfig, *, use_opt: bool = True) -> Ru
         # the floor's sampled waits are its own: reduced in place (1.3 GB at 20,000 x 8,192)
         floor=jitter_floor(floor.values.get("wait", np.zeros((0, W))), a.step_ms, overwrite_input=True),
         growth_wait=growth.values.get("wait", np.zeros((0, W))),
-        sample=RunArrays(
-            **lines,
+        sample=RunArrays.of(
+            a.lines_only().select(picked),
             wait=sampled("wait"),
             compute=sampled("compute"),
             data=sampled("data"),

@@ -72,7 +72,7 @@ def project(
 ) -> tuple[list[Any], Projection]:
     """``findings`` with their ``projection`` filled in for every rank count of ``ranks``, the
     simulator calibrated on ``sample``: the run's steps, or a seeded sample of them
-    (``projection_calibration_steps``, :func:`pace_strategy.diagnose.digest.sample_rows`)."""
+    (``projection_calibration_steps``, :func:`pace_strategy.telemetry.arrays.sample_steps`)."""
     from pace_strategy.sim.calibrate import fit, predict, ring_factor
 
     started = time.monotonic()

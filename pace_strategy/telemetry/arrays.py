@@ -155,6 +155,10 @@ class RunLines:
         inner = ", ".join(p for p in parts if p)
         return f"rank {rank} ({inner})" if inner else f"rank {rank}"
 
+    def lines_only(self) -> RunLines:
+        """The run's lines alone (of a :class:`RunArrays`: without its per-rank arrays)."""
+        return RunLines(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RunLines)})
+
     def block_steps(self) -> int:
         """Steps per block of :meth:`rank_blocks`."""
         return max(1, _BLOCK_NUMBERS // max(self.world_size, 1))
@@ -196,6 +200,11 @@ class RunArrays(RunLines):
     #: reached the arrival when the host ended the step); all true on CPU and in older records
     host_bound: np.ndarray | None = None
 
+    @classmethod
+    def of(cls, lines: RunLines, **numbers: Any) -> RunArrays:
+        """``lines`` (their fields) with the per-rank ``numbers`` (this class's own fields)."""
+        return cls(**{f.name: getattr(lines, f.name) for f in dataclasses.fields(RunLines)}, **numbers)
+
     @property
     def step_delay_max(self) -> np.ndarray:
         """``[S]`` each step's largest pacing delay, ms: from the per-rank delays when loaded, else
@@ -226,7 +235,6 @@ def sample_arrays(a: RunLines, rows: np.ndarray) -> RunArrays:
     load whole (``pace simulate --from-run --calibration-steps``)."""
     chosen = a.select(rows)
     blocks = list(chosen.rank_blocks())
-    lines = {f.name: getattr(chosen, f.name) for f in dataclasses.fields(RunLines)}
 
     def joined(name: str) -> np.ndarray | None:
         if not blocks:
@@ -234,14 +242,12 @@ def sample_arrays(a: RunLines, rows: np.ndarray) -> RunArrays:
         parts = [b.get(name) for b in blocks]
         return None if any(p is None for p in parts) else np.concatenate(parts)  # type: ignore[arg-type]
 
-    wait, compute, data, gap = (joined(k) for k in ("wait", "compute", "data", "gap"))
-    assert wait is not None and compute is not None and data is not None and gap is not None
-    return RunArrays(
-        **lines,
-        wait=wait,
-        compute=compute,
-        data=data,
-        gap=gap,
+    return RunArrays.of(
+        chosen,
+        wait=joined("wait"),
+        compute=joined("compute"),
+        data=joined("data"),
+        gap=joined("gap"),
         opt=joined("opt"),
         gc_ms=joined("gc_ms"),
         gc_collections=joined("gc_collections"),
@@ -310,10 +316,9 @@ def _columnar_block(out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def _json_blocks(path: Path, world: int, kept: np.ndarray, block: int) -> Iterator[dict[str, np.ndarray]]:
     """The ``ranks`` lists of a record's step lines ``kept``, ``block`` steps at a time, each line's
     lists written into the block's arrays as it is read (held as Python objects, a block of 65k
-    steps x 64 ranks took 1.3 GB)."""
-    every_rank_bound = [True] * world
-    out: dict[str, np.ndarray] = {}
-    rows = 0  # rows of ``out`` written
+    steps x 64 ranks took 1.3 GB): :func:`load_arrays`' reading of them, a block at a time."""
+    names = [name for k, name in BLOCK_FIELDS.items() if k != "host_bound"]
+    lists: _RankLists | None = None
     index, at = -1, 0  # the step line's index; the next kept index to reach
     for obj in iter_run_record(path):
         if obj.get("record") != "step":
@@ -324,28 +329,12 @@ def _json_blocks(path: Path, world: int, kept: np.ndarray, block: int) -> Iterat
         if index != kept[at]:
             continue
         at += 1
-        if rows == 0:
-            size = min(block, len(kept) - at + 1)
-            out = {
-                k: np.empty((size, world), dtype=bool if k == "host_bound" else np.float64)
-                for k in BLOCK_FIELDS
-            }
-        ranks = obj["ranks"]
-        for k, name in BLOCK_FIELDS.items():
-            if k not in out:
-                continue  # an optional field some earlier step of the block lacked
-            if k == "host_bound":  # a step line without it had every rank host-bound
-                out[k][rows] = ranks.get(name) or every_rank_bound
-            elif name in ranks:
-                out[k][rows] = ranks[name]  # None -> NaN
-            elif k in OPTIONAL_BLOCK_FIELDS:
-                del out[k]
-            else:
-                raise RunRecordError(f"{path}: step line {index + 1} has no ranks.{name}")
-        rows += 1
-        if rows == len(out["wait"]):
-            yield out
-            rows = 0
+        if lists is None:
+            lists = _RankLists(world, min(block, len(kept) - at + 1), names)
+        lists.add(obj["ranks"])
+        if lists.host_bound.rows == lists.host_bound.capacity:
+            yield lists.block(BLOCK_FIELDS)
+            lists = None
 
 
 def find_run_record(run_dir: str | os.PathLike[str]) -> Path:
@@ -515,6 +504,15 @@ class _RankLists:
         # a step line without ``host_bound`` had every rank host-bound (the writer omits it
         # then; CPU runs and records written before the field never have it)
         self.host_bound.add(ranks.get("host_bound") or self.every_rank_bound)
+
+    def block(self, fields: dict[str, str]) -> dict[str, np.ndarray]:
+        """The steps read, by ``fields``' keys (their record names the values): a field some step
+        lacked is left out."""
+        rows = self.host_bound.rows
+        out = {k: self.columns[name].array() for k, name in fields.items() if name in self.columns}
+        out = {k: v for k, v in out.items() if len(v) == rows}
+        out["host_bound"] = self.host_bound.array()
+        return out
 
 
 def _read_lines(p: Path, fields: Sequence[str] = ()) -> _Lines:

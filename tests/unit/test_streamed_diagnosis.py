@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from pace_strategy.diagnose.config import DiagnosisConfig
-from pace_strategy.diagnose.digest import digest_run, floor_rows, growth_rows, sample_rows
+from pace_strategy.diagnose.digest import digest_run, floor_rows, growth_rows
 from pace_strategy.diagnose.findings import diagnose, diagnose_run
 from pace_strategy.diagnose.noise import jitter_floor
 from pace_strategy.diagnose.report import _bin_steps, render_report
 from pace_strategy.telemetry import arrays as arrays_module
-from pace_strategy.telemetry.arrays import DIAGNOSIS_SKIP, RunArrays, load_arrays, load_lines
+from pace_strategy.telemetry.arrays import DIAGNOSIS_SKIP, RunArrays, load_arrays, load_lines, sample_steps
 from tests.unit.test_diagnose_findings import arrays as synthetic
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -120,7 +120,7 @@ def test_the_digest_keeps_what_the_whole_arrays_give(block, max_rows, monkeypatc
     # the sampled rows, whole
     assert d.floor == jitter_floor(w[floor_rows(steps)], a.step_ms) and d.floor.sigma_ms > 0
     assert np.array_equal(d.growth_wait, w[growth_rows(np.random.default_rng(0), steps)])
-    rows = sample_rows(steps, 20)
+    rows = sample_steps(steps, 20)
     assert len(rows) == 20 and np.array_equal(d.sample_rows, rows)
     for name in ("wait", "compute", "data", "gap", "samples", "step_ms", "step"):
         assert np.array_equal(getattr(d.sample, name), getattr(a, name)[rows]), name
