@@ -5,9 +5,16 @@ process; the collective's cost from the ring model, not measured):
 
 - **bytes each rank receives** in the window all-gather: ``(W - 1) x K x 17 x 8`` (every rank gets
   every other rank's rows);
-- **decision**: the Pacer's window decision on every rank, on the training thread (``Pacer._decide``:
-  the window's statistics and pacing on the gathered ``[W, K, 17]`` tensor; then with rebalancing
-  on as well);
+- **decision**: the Pacer's window decision on every rank that decides: its analysis
+  (``Pacer.analyze``: the step labels' check, the window's statistics, the pacing policy's lead
+  spread and rebalancing's measure), which runs on the window's side thread, and the controllers'
+  decision (``Pacer._apply``), which runs on the training thread; pacing alone, then with
+  rebalancing on as well;
+- **the side thread beside a step of real compute** (rebalancing on): the training thread runs a
+  step of ~50 ms of single-threaded matrix products while the window's side thread analyses the
+  window, then collects the analysis and decides: the step's compute time with and without the
+  side thread beside it (the GIL and the memory bus are shared), the wait for the side thread, and
+  the decision on the training thread;
 - **rank 0's telemetry** per window, on its telemetry thread: per-step summaries, the run record's
   lines, and the TensorBoard tags (to a sink that only counts them), with each record format (with
   the columnar one, above ``per_rank_tag_limit`` the summaries build no per-rank tuples and the
@@ -44,8 +51,9 @@ from pathlib import Path
 import torch
 
 from pace_strategy.core.clock import ManualClock
-from pace_strategy.core.comm import field_major
+from pace_strategy.core.comm import PendingGather, field_major
 from pace_strategy.core.config import PacingConfig, RebalanceConfig
+from pace_strategy.core.inflight import WindowInFlight
 from pace_strategy.core.pacer import Pacer, result_of, verdict_of
 from pace_strategy.core.records import NUM_FIELDS, Field
 from pace_strategy.core.shares import ShareSchedule
@@ -126,17 +134,26 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
     tags = 0
     decide_ms, pacing_ms, publish_ms, jsonl_ms, arrow_ms, arrow_publish_ms = [], [], [], [], [], []
     follow_ms: list[float] = []
+    pacing_thread_ms: list[float] = []  # the part of the decision on the training thread
+    decide_thread_ms: list[float] = []
     verdict_bytes: list[int] = []
     for i in range(repeat + 1):
         g = window(world, steps, i * steps, seed=i)
         started = time.perf_counter()
-        paced_result = pacing_only._decide(g)
+        paced_analysis = pacing_only.analyze(g, pacing_only._window)  # on the window's side thread
+        paced_analysed = time.perf_counter()
+        paced_result = pacing_only._apply(paced_analysis)  # on the training thread
         paced = time.perf_counter()
         if i:
             pacing_ms.append((paced - started) * 1e3)
+            pacing_thread_ms.append((paced - paced_analysed) * 1e3)
         started = time.perf_counter()
-        result = pacer._decide(g)
+        analysis = pacer.analyze(g, pacer._window)
+        analysed = time.perf_counter()
+        result = pacer._apply(analysis)
         decided = time.perf_counter()
+        if i:
+            decide_thread_ms.append((decided - analysed) * 1e3)
         # exchange_topology node_leaders: what a rank that is not a leader does with the decision
         meta, vectors = verdict_of(result)
         text = json.dumps({**meta, "$vectors": list(vectors)}).encode()  # as HierarchicalExchange sends it
@@ -204,6 +221,8 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         "ring_latency_ms_tcp": (world - 1) * HOP_US[1] / 1e3,
         "decision_ms_pacing": statistics.median(pacing_ms),
         "decision_ms": statistics.median(decide_ms),
+        "decision_ms_pacing_training_thread": statistics.median(pacing_thread_ms),
+        "decision_ms_training_thread": statistics.median(decide_thread_ms),
         "rank0_telemetry_ms": statistics.median(publish_ms),
         # node_leaders, 8 ranks per node: a non-leader receives its 7 peers' rows and the verdict
         "node_leaders_bytes_received_per_window": (PER_NODE - 1) * steps * NUM_FIELDS * 8
@@ -219,6 +238,55 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         "record_write_ms_jsonl": statistics.median(jsonl_ms),
         "record_write_ms_arrow": statistics.median(arrow_ms),
         "tags_per_window": tags / (repeat + 1),
+    }
+
+
+def _matmul_step(target_ms: float) -> tuple[torch.Tensor, int]:
+    """A matrix and how many products of it take about ``target_ms`` on this thread."""
+    a = torch.randn(256, 256, dtype=torch.float32)
+    started = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    per = (time.perf_counter() - started) / 20
+    return a, max(1, round(target_ms / 1e3 / per))
+
+
+def beside_a_step(world: int, steps: int, repeat: int, step_ms: float = 50.0) -> dict[str, float]:
+    """The window's side thread analysing a window while the training thread computes one step."""
+    config = PacingConfig(exchange_every_steps=steps, warmup_steps=0, rebalance=RebalanceConfig(enabled=True))
+    pacer = Pacer(config, None, 0, world, ManualClock())
+    pacer.attach_shares(ShareSchedule(32 * world, world), 2)
+    a, products = _matmul_step(step_ms)
+
+    def step() -> float:
+        started = time.perf_counter()
+        for _ in range(products):
+            a @ a
+        return (time.perf_counter() - started) * 1e3
+
+    alone, beside, join, decide = [], [], [], []
+    for i in range(repeat + 1):
+        g = window(world, steps, i * steps, seed=100 + i)
+        quiet = step()
+        gather = PendingGather(work=None, outputs=[], first_step=i * steps, last_step=(i + 1) * steps - 1)
+        index = pacer._window
+        flight = WindowInFlight(gather, lambda g=g: g, lambda w, index=index: pacer.analyze(w, index))
+        busy = step()  # the step the window's analysis runs beside
+        started = time.perf_counter()
+        analysis = flight.result(60.0, 0, world)
+        joined = time.perf_counter()
+        pacer._apply(analysis)
+        if i:
+            alone.append(quiet)
+            beside.append(busy)
+            join.append((joined - started) * 1e3)
+            decide.append((time.perf_counter() - joined) * 1e3)
+    return {
+        "ranks": world,
+        "step_ms_alone": statistics.median(alone),
+        "step_ms_beside_side_thread": statistics.median(beside),
+        "join_wait_ms": statistics.median(join),
+        "decide_ms_training_thread": statistics.median(decide),
     }
 
 
@@ -268,6 +336,26 @@ def main() -> int:
         print(
             f"{r['ranks']:>6,} {before:>8.1f} | {now:>5.1f} ms (x{before / now:.1f}) "
             f"{r['rank0_telemetry_ms_shards_step_major']:>12.1f} | {r['rank0_telemetry_ms_shards']:>5.1f} ms"
+        )
+    print("\nthe decision: analysis (side thread) + decide (training thread), pacing | with rebalancing")
+    for r in rows:
+        pacing_side = r["decision_ms_pacing"] - r["decision_ms_pacing_training_thread"]
+        side = r["decision_ms"] - r["decision_ms_training_thread"]
+        print(
+            f"{r['ranks']:>6,} {pacing_side:>6.1f} + {r['decision_ms_pacing_training_thread']:>5.2f} ms | "
+            f"{side:>6.1f} + {r['decision_ms_training_thread']:>5.2f} ms"
+        )
+    print("\nthe side thread beside a ~50 ms step of matrix products (rebalancing on)")
+    print(f"{'ranks':>6} {'step alone':>11} {'step beside it':>15} {'wait for it':>12} {'decide':>9}")
+    for world in (int(r) for r in args.ranks.split(",")):
+        b = beside_a_step(world, args.steps, args.repeat)
+        r = next(r for r in rows if r["ranks"] == world)
+        r.update({f"beside_step_{k}": v for k, v in b.items() if k != "ranks"})
+        print(
+            f"{world:>6,} {b['step_ms_alone']:>8.1f} ms {b['step_ms_beside_side_thread']:>9.1f} ms "
+            f"(x{b['step_ms_beside_side_thread'] / b['step_ms_alone']:.3f}) {b['join_wait_ms']:>8.2f} ms "
+            f"{b['decide_ms_training_thread']:>6.2f} ms",
+            flush=True,
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

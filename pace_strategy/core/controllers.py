@@ -41,7 +41,14 @@ from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PaceDistributedError, PacingConfigError
 from pace_strategy.core.gc_sync import GcSync
 from pace_strategy.core.policy import PacingPolicy
-from pace_strategy.core.rebalance import RebalanceDecision, RebalancePolicy, RebalanceState, first_boundary
+from pace_strategy.core.rebalance import (
+    RebalanceDecision,
+    RebalancePolicy,
+    RebalanceState,
+    WindowMeasure,
+    first_boundary,
+    measure_window,
+)
 from pace_strategy.core.records import Decision, PolicyState
 from pace_strategy.core.shares import ShareSchedule
 from pace_strategy.core.skew import WindowStats
@@ -60,6 +67,9 @@ class WindowInput:
     stats: WindowStats  #: its statistics (:func:`~pace_strategy.core.skew.window_stats`)
     last_step: int  #: the label of the window's last step (or of the last step ended, when empty)
     after_step: int  #: the label of the last step this rank ended (``>= last_step``)
+    #: rebalancing's :func:`~pace_strategy.core.rebalance.measure_window` of the window, when taken
+    #: already (:meth:`RebalanceControl.prepare`); ``None``: rebalancing takes it
+    measure: WindowMeasure | str | None = None
 
 
 @dataclass(frozen=True)
@@ -167,9 +177,16 @@ class RebalanceControl:
         )
         current = self.schedule.current
         self.policy.follow(current.from_step, current.samples)  # a split added by someone else
-        decision = self.policy.update(window.gathered, index, start)
+        decision = self.policy.update(window.gathered, index, start, window.measure)
         self._schedule(decision)
         return decision
+
+    def prepare(self, gathered: torch.Tensor, stats: WindowStats) -> WindowMeasure | str | None:
+        """What :meth:`decide` measures of a window, from the window alone (no state: any thread may
+        take it); ``None`` when this run is not rebalanced."""
+        if self.policy is None or self.schedule is None or self.policy.state is RebalanceState.OFF:
+            return None  # (OFF: the policy measures nothing any more)
+        return measure_window(gathered, self.policy.global_batch, stats.usable)
 
     def follow(self, decision: RebalanceDecision) -> None:
         """A decision taken by the node leader: its new split into this rank's schedule."""

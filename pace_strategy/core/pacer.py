@@ -14,9 +14,11 @@ The hot path is a few clock marks and a counter; everything else happens once pe
 Once per window the Pacer resolves its rows, exchanges them (one all-gather, or through the node
 leaders: :mod:`pace_strategy.core.hierarchy`) and hands the gathered window to its controllers
 (:mod:`pace_strategy.core.controllers`), whose arbitrated decision it applies; a rank that is not a
-node leader applies the decision its leader sent. The Pacer does not summarize. Whoever needs
-per-step :class:`StepSummary` records (the session's telemetry thread on rank 0, tests, benchmarks)
-feeds each ``WindowResult.gathered`` to one :class:`StepSummarizer` of its own.
+node leader applies the decision its leader sent. A rank that decides waits for each window and
+analyses it on a side thread while the next step runs (:mod:`pace_strategy.core.inflight`); the
+controllers decide on the training thread, at the same step as ever. The Pacer does not summarize.
+Whoever needs per-step :class:`StepSummary` records (the session's telemetry thread on rank 0,
+tests, benchmarks) feeds each ``WindowResult.gathered`` to one :class:`StepSummarizer` of its own.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ import torch
 import torch.distributed as dist
 
 from pace_strategy.core.clock import Clock, HostClock
-from pace_strategy.core.comm import PendingGather, WindowExchange
+from pace_strategy.core.comm import WindowExchange
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.controllers import Controllers, WindowInput
 from pace_strategy.core.errors import PaceDistributedError
-from pace_strategy.core.rebalance import RebalanceDecision, RebalanceState
+from pace_strategy.core.inflight import WindowInFlight
+from pace_strategy.core.rebalance import RebalanceDecision, RebalanceState, WindowMeasure
 from pace_strategy.core.records import NUM_FIELDS, Decision, Field, GcCollect, PolicyState
 from pace_strategy.core.shares import ShareSchedule
 from pace_strategy.core.skew import WindowStats, window_stats
@@ -93,6 +96,17 @@ class _OpenStep:
 
 
 @dataclass(frozen=True)
+class WindowAnalysis:
+    """What a window gives before any controller decides: the window, its statistics (with the
+    pacing policy's lead spread taken) and rebalancing's measure. No state goes into it, so a side
+    thread takes it (:class:`~pace_strategy.core.inflight.WindowInFlight`)."""
+
+    gathered: torch.Tensor  #: ``[world_size, steps, NUM_FIELDS]`` float64
+    stats: WindowStats
+    measure: WindowMeasure | str | None  #: ``None``: not rebalancing
+
+
+@dataclass(frozen=True)
 class WindowResult:
     """What one exchanged window produced: the gathered window, its statistics and the new decision.
 
@@ -107,6 +121,9 @@ class WindowResult:
     #: the rebalancing decision (``None``: no share schedule attached, or ``config.rebalance.enabled`` off)
     rebalance: RebalanceDecision | None = None
 
+
+#: a launched window and its side thread (:mod:`pace_strategy.core.inflight`)
+_InFlight = WindowInFlight[torch.Tensor | None, WindowAnalysis]
 
 #: what a node leader sends its node of a window: scalars and text (JSON), and the per-rank vectors
 #: (one float64 row each: no per-number parsing at thousands of ranks)
@@ -246,7 +263,7 @@ class Pacer:
         self.controllers = Controllers(config, rank, world_size, self.clock)
         self._open: _OpenStep | None = None
         self._unresolved: list[_OpenStep] = []
-        self._pending: PendingGather | None = None
+        self._pending: _InFlight | None = None
         self._pending_rows: torch.Tensor | None = None  # this rank's rows in the last gather launched
         self._prev_end: Any | None = None
         self._prev_done: Any | None = None
@@ -575,10 +592,13 @@ class Pacer:
         pending, self._pending = self._pending, None
         if pending is not None:
             # node leaders: a completed node gather is not the window (the leaders' gather is not done)
-            done = self.hierarchy is None and (pending.work is None or bool(pending.work.is_completed()))
+            work = pending.gather.work
+            done = self.hierarchy is None and (pending.gathered or work is None or bool(work.is_completed()))
             try:
-                if done:  # a completed gather's wait returns at once (or raises: it failed)
-                    results.append(self._decide(self.exchange.wait(pending)))
+                if done:  # a completed gather's wait returns at once (or raises: it failed); the rest
+                    # of the side thread's work is local
+                    analysis = pending.result(self._join_timeout_s, self.rank, self.world_size)
+                    results.append(self._apply(analysis))
             except PaceDistributedError:
                 done = False
             if not done and self._pending_rows is not None:
@@ -642,31 +662,51 @@ class Pacer:
         if rebalance is not None:
             self.controllers.rebalance.load_state_dict(rebalance)
 
-    def _launch(self, count: int) -> PendingGather:
+    def _launch(self, count: int) -> _InFlight:
+        """Launch the exchange of the next ``count`` unresolved steps. A rank that decides waits for
+        the window and analyses it on a side thread (:meth:`analyze`); windows are decided in order
+        and this one is launched after the last one was decided, so its index is ``_window``."""
         steps, self._unresolved = self._unresolved[:count], self._unresolved[count:]
         rows = torch.tensor([self._resolve(s) for s in steps], dtype=torch.float64)
         self._pending_rows = rows
-        return (self.hierarchy or self.exchange).start(rows, steps[0].step, steps[-1].step)
+        hierarchy, index = self.hierarchy, self._window
+        gather = (hierarchy or self.exchange).start(rows, steps[0].step, steps[-1].step)
 
-    def _complete(self, pending: PendingGather, timed: bool = False) -> WindowResult:
-        """Wait for the window launched as ``pending`` and decide it (flat exchange, or a node
-        leader), or take the decision a node leader sent (any other rank). ``timed``: the wait counts
-        in ``exchange_wait_ns``."""
+        def wait() -> torch.Tensor | None:
+            return self.exchange.wait(gather) if hierarchy is None else hierarchy.wait_window(gather)
+
+        def analyze_window(window: torch.Tensor | None) -> WindowAnalysis:
+            assert window is not None  # the flat exchange's, or a leader's: the whole window
+            return self.analyze(window, index)
+
+        # a rank that is not a node leader receives its leader's verdict: nothing to analyse
+        decides = hierarchy is None or hierarchy.is_leader
+        return WindowInFlight(gather, wait, analyze_window if decides else None)
+
+    @property
+    def _join_timeout_s(self) -> float:
+        """How long the training thread waits for a window's side thread, beyond the exchange's two
+        bounded waits (a node leader's: its node's and the leaders')."""
+        return 2.0 * self.config.exchange_timeout_s + 60.0
+
+    def _complete(self, pending: _InFlight, timed: bool = False) -> WindowResult:
+        """Take the window launched as ``pending`` as its side thread analysed it and decide it (flat
+        exchange, or a node leader), or take the decision a node leader sent (any other rank).
+        ``timed``: the wait counts in ``exchange_wait_ns``."""
         started = time.perf_counter_ns()
-        verdict: Verdict | None = None
-        if self.hierarchy is None:
-            gathered: torch.Tensor | None = self.exchange.wait(pending)
-        elif (gathered := self.hierarchy.wait_window(pending)) is None:
-            verdict = self.hierarchy.receive_verdict()
+        if pending.threaded:
+            analysis = pending.result(self._join_timeout_s, self.rank, self.world_size)
+            if timed:
+                self.exchange_wait_ns += time.perf_counter_ns() - started
+            result = self._apply(analysis)
+            if self.hierarchy is not None:
+                self.hierarchy.send_verdict(*verdict_of(result))
+            return result
+        assert self.hierarchy is not None and pending.wait() is None  # not a leader
+        verdict = self.hierarchy.receive_verdict()
         if timed:
             self.exchange_wait_ns += time.perf_counter_ns() - started
-        if gathered is None:
-            assert verdict is not None
-            return self._follow(verdict)
-        result = self._decide(gathered)
-        if self.hierarchy is not None:
-            self.hierarchy.send_verdict(*verdict_of(result))
-        return result
+        return self._follow(verdict)
 
     def _follow(self, verdict: Verdict) -> WindowResult:
         """Apply a window's decision taken by this rank's node leader (the same as :meth:`_decide`
@@ -730,20 +770,41 @@ class Pacer:
         return row
 
     def _decide(self, gathered: torch.Tensor) -> WindowResult:
-        """Check one gathered window and let the controllers decide (identically on every rank)."""
+        """Check one gathered window and let the controllers decide (identically on every rank), all
+        on the calling thread."""
+        return self._apply(self.analyze(gathered, self._window))
+
+    def analyze(self, gathered: torch.Tensor, index: int) -> WindowAnalysis:
+        """Check window ``index`` and take what it gives before any decision (:class:`WindowAnalysis`):
+        no state is read but the configuration and rebalancing's state, which only the decision of
+        the window before this one changes. Raises :class:`PaceDistributedError` when the ranks
+        disagree on its steps."""
         labels = gathered[:, :, Field.STEP]
         # every rank's labels equal rank 0's: by their extremes over the ranks (a NaN fails both)
         if not (torch.equal(labels.amin(dim=0), labels[0]) and torch.equal(labels.amax(dim=0), labels[0])):
             raise PaceDistributedError(
                 self.rank,
                 self.world_size,
-                f"ranks disagree on the steps of window {self._window} (first step labels "
+                f"ranks disagree on the steps of window {index} (first step labels "
                 f"{labels[:, 0].tolist()}): every rank must call begin_step/end_step once per "
                 "synchronized step.",
             )
-        stats = window_stats(self._window, gathered)
+        stats = window_stats(index, gathered)
+        if stats.steps:
+            stats.lead_spread  # noqa: B018 - taken here, off the training thread: every policy reads it
+        return WindowAnalysis(gathered, stats, self.controllers.rebalance.prepare(gathered, stats))
+
+    def _apply(self, analysis: WindowAnalysis) -> WindowResult:
+        """Let the controllers decide on an analysed window and apply the decision (training thread)."""
+        gathered, stats = analysis.gathered, analysis.stats
+        if stats.window != self._window:
+            raise PaceDistributedError(
+                self.rank, self.world_size, f"window {stats.window} analysed, window {self._window} due"
+            )
+        labels = gathered[:, :, Field.STEP]
         last = int(labels[0, -1]) if labels.shape[1] else self._last_label
-        verdict = self.controllers.decide(WindowInput(gathered, stats, last, self._last_label), self._window)
+        window = WindowInput(gathered, stats, last, self._last_label, analysis.measure)
+        verdict = self.controllers.decide(window, self._window)
         self._delay_ms = verdict.decision.delays_ms[self.rank]
         self._decision = verdict.decision
         self._window += 1

@@ -17,7 +17,7 @@ import torch
 
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.records import Decision, PolicyState
-from pace_strategy.core.skew import WindowStats, kth_smallest
+from pace_strategy.core.skew import WindowStats
 from pace_strategy.core.state import STATE_VERSION, PacingStateError, check_state
 
 __all__ = ["PacingPolicy", "ab_gain_needed_ms", "ab_noise_ms", "next_cooldown_windows"]
@@ -386,14 +386,12 @@ class PacingPolicy:
         """Per-rank delay from this window: a bounded fraction of each rank's smoothed pacable lead."""
         cfg = self.config
         leads = stats.pacable_lead_ms
-        # torch's median(dim=1): the lower middle value of an even count
-        median_lead = kth_smallest(leads, (leads.shape[1] - 1) // 2)
+        median_lead, noise = stats.lead_spread
         if self._smoothed_lead_ms is None:
             self._smoothed_lead_ms = median_lead.clone()
         else:
             a = cfg.lead_smoothing
             self._smoothed_lead_ms = a * median_lead + (1.0 - a) * self._smoothed_lead_ms
-        noise = leads.std(dim=1, correction=0) if leads.shape[1] > 1 else torch.zeros_like(median_lead)
         margin = cfg.noise_margin_factor * noise
         persistent = (leads > margin.unsqueeze(1)).double().mean(dim=1) >= cfg.persist_fraction
         raw = cfg.gain * (self._smoothed_lead_ms - margin)

@@ -147,14 +147,18 @@ class WindowMeasure:
     mem_peak: tuple[float, ...] = ()
 
 
-def measure_window(gathered: torch.Tensor, global_batch: int) -> WindowMeasure | str:
+def measure_window(
+    gathered: torch.Tensor, global_batch: int, usable_steps_: torch.Tensor | None = None
+) -> WindowMeasure | str:
     """Per-rank compute per sample over the usable steps of a gathered window ``[W, steps, fields]``.
 
     Usable: valid, past warm-up, every rank reported its samples and they add up to a whole number
     of global batches (one per micro-batch with gradient accumulation; an epoch's short last batch is
-    left out). Returns the reason in words when no step is usable.
+    left out). Returns the reason in words when no step is usable. ``usable_steps_``: the window's
+    :func:`~pace_strategy.core.skew.usable_steps` when the caller has them already (the window
+    statistics'), else computed here.
     """
-    valid = usable_steps(gathered)
+    valid = usable_steps(gathered) if usable_steps_ is None else usable_steps_
     if not bool(valid.any()):
         return "no usable steps in the window (warm-up or sync point not seen)"
     samples = gathered[:, :, Field.SAMPLES]
@@ -428,12 +432,16 @@ class RebalancePolicy:
         self.state = RebalanceState.WATCH
         return True
 
-    def update(self, gathered: torch.Tensor, window: int, from_step: int) -> RebalanceDecision:
+    def update(
+        self, gathered: torch.Tensor, window: int, from_step: int, measured: WindowMeasure | str | None = None
+    ) -> RebalanceDecision:
         """Consume one gathered window; a new split, if any, starts at ``from_step`` (a window boundary
-        after every step the data pipeline may have built, the same on every rank)."""
+        after every step the data pipeline may have built, the same on every rank). ``measured``: the
+        window's :func:`measure_window` at this policy's global batch, when the caller took it already
+        (a Pacer does, on its window side thread)."""
         if self.state is RebalanceState.OFF:
             return self._keep(window, self._last.reason)
-        m = measure_window(gathered, self.global_batch)
+        m = measure_window(gathered, self.global_batch) if measured is None else measured
         if isinstance(m, str):
             return self._keep(window, f"{m}: split unchanged")
         if m.first_step < self._since:  # the window ran (at least partly) before the split took over

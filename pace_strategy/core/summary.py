@@ -11,7 +11,7 @@ import torch
 
 from pace_strategy.core import glossary
 from pace_strategy.core.records import Field, StepSummary
-from pace_strategy.core.skew import kth_smallest
+from pace_strategy.core.skew import kth_smallest, ranks_last
 
 __all__ = ["StepSummarizer"]
 
@@ -44,23 +44,27 @@ class StepSummarizer:
             return field(f).amax(dim=0)  # [steps]
 
         wait = field(Field.WAIT_MS)
-        transfer = glossary.transfer_ms(wait, rank_axis=0)
-        wait_max = high(Field.WAIT_MS)
+        # The reductions that pick a rank (arg-min, arg-max, the median) run over each step's ranks
+        # side by side: one blocked copy of each field they read (``ranks_last``), which costs less
+        # than one of them over the window's view at 8,192 ranks.
+        steps_wait = ranks_last(wait)  # [steps, ranks]
+        transfer = torch.from_numpy(glossary.transfer_ms(steps_wait, rank_axis=1))
+        wait_max = torch.from_numpy(steps_wait.max(axis=1))
         # The leads' band without the [ranks, steps] leads: a lead is wait - min(wait), monotone in
         # the wait, so the lead of the median (smallest, largest) wait is the median (smallest,
         # largest) lead. The median as ``sorted(leads)[W // 2]`` (the upper one of an even count).
-        median = kth_smallest(wait.T.contiguous(), g.shape[0] // 2)
+        median = kth_smallest(steps_wait, g.shape[0] // 2)
         band = torch.stack((median - transfer, transfer - transfer, wait_max - transfer), dim=1).tolist()
         gc_max = high(Field.GC_MS).tolist()
         # Columns become Python lists once: per-element tensor indexing would cost ~100 us per step.
         columns = {f: field(f).T.tolist() for f in Field} if per_rank else {}
         leads = glossary.lead_ms(wait, rank_axis=0).T.tolist() if per_rank else []
         steps = g[0, :, Field.STEP].tolist()
-        skew = glossary.skew_ms(wait, rank_axis=0).tolist()
+        skew = (wait_max - transfer).tolist()  # glossary.skew_ms: max(wait) - min(wait)
         valid = (field(Field.VALID).amin(dim=0) > 0).tolist()
         warm = (high(Field.WARMUP) > 0).tolist()
-        straggler = glossary.straggler_rank(wait, rank_axis=0).tolist()
-        compute_straggler = field(Field.COMPUTE_MS).argmax(dim=0).tolist()
+        straggler = glossary.straggler_rank(steps_wait, rank_axis=1).tolist()
+        compute_straggler = ranks_last(field(Field.COMPUTE_MS)).argmax(axis=1).tolist()
         step_ms = high(Field.STEP_MS).tolist()
         delay_max = high(Field.DELAY_MS).tolist()
         buckets = high(Field.BUCKETS).tolist()
