@@ -18,7 +18,9 @@ process; the collective's cost from the ring model, not measured):
 - **rank 0's telemetry** per window, on its telemetry thread: per-step summaries, the run record's
   lines, and the TensorBoard tags (to a sink that only counts them), with each record format (with
   the columnar one, above ``per_rank_tag_limit`` the summaries build no per-rank tuples and the
-  rows are written straight from the window);
+  rows are written straight from the window; with node shards, rank 0 summarizes each step from
+  every node's per-step reductions, which the leaders send beside their nodes' rows, and only the
+  leads' median reads every rank's wait);
 - **record bytes per rank-step**: the run record's size over ``W x steps``, and the time rank 0's
   telemetry thread spends writing a window's lines, for both record formats from the same windows:
   ``jsonl`` (per-rank lists in every step line) and ``arrow`` (the step lines without them, and
@@ -57,7 +59,7 @@ from pace_strategy.core.inflight import WindowInFlight
 from pace_strategy.core.pacer import Pacer, result_of, verdict_of
 from pace_strategy.core.records import NUM_FIELDS, Field
 from pace_strategy.core.shares import ShareSchedule
-from pace_strategy.core.summary import StepSummarizer
+from pace_strategy.core.summary import StepSummarizer, node_steps
 from pace_strategy.telemetry.columnar import RankColumnsWriter
 from pace_strategy.telemetry.run_record import RunRecordWriter
 from pace_strategy.telemetry.schema import step_metrics
@@ -139,6 +141,9 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
     verdict_bytes: list[int] = []
     for i in range(repeat + 1):
         g = window(world, steps, i * steps, seed=i)
+        nodes = torch.stack(
+            [node_steps(g[r : r + PER_NODE], range(r, r + PER_NODE)) for r in range(0, world, PER_NODE)]
+        )
         started = time.perf_counter()
         paced_analysis = pacing_only.analyze(g, pacing_only._window)  # on the window's side thread
         paced_analysed = time.perf_counter()
@@ -177,7 +182,8 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         arrow.write_window(lean_summaries, None, gathered=g)
         arrow_done = time.perf_counter()
         shard.write_gathered(g)  # on the training thread, as every node leader does
-        shard_summaries = sharded.summarize(g, per_rank=per_rank)
+        # every node's per-step reductions, as its leader sends them beside its node's rows
+        shard_summaries = sharded.summarize(g, per_rank=per_rank, nodes=nodes)
         for s in shard_summaries:
             step_metrics(s, config.per_rank_tag_limit, batch_shares=True)
         global_stream.write_window(shard_summaries, None)
@@ -189,12 +195,14 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
             raise AssertionError("the window's layout changed a decision")
         layout_decided = time.perf_counter()
         step_major_shard.write_gathered(rowwise)
-        rowwise_summaries = step_major_summarizer.summarize(rowwise, per_rank=per_rank)
+        rowwise_summaries = step_major_summarizer.summarize(rowwise, per_rank=per_rank, nodes=nodes)
         for s in rowwise_summaries:
             step_metrics(s, config.per_rank_tag_limit, batch_shares=True)
         step_major_stream.write_window(rowwise_summaries, None)
         if rowwise_summaries != shard_summaries:
             raise AssertionError("the window's layout changed a summary")
+        if shard_summaries != lean_summaries:
+            raise AssertionError("the nodes' reductions changed a summary")
         if i:
             step_major_pacing_ms.append((layout_decided - layout_started) * 1e3)
             step_major_shard_ms.append((time.perf_counter() - layout_decided) * 1e3)

@@ -445,7 +445,9 @@ class PacingSession:
         """One window to every sink (telemetry thread); ``tags=False``: the writer fell behind, this
         window's tags are dropped (its run-record rows are written all the same)."""
         self._log_warnings(result)
-        summaries = self._summarizer.summarize(result.gathered, per_rank=self._summaries_per_rank)
+        summaries = self._summarizer.summarize(
+            result.gathered, per_rank=self._summaries_per_rank, nodes=result.node_steps
+        )
         if self._dashboard is not None:
             dashboard, self._dashboard = self._dashboard, None  # once, whatever happens
             try:
@@ -479,6 +481,11 @@ class PacingSession:
             results = self.pacer.flush()
             for result in results:
                 self.publish(result)
+            if self.shard is not None:
+                # A node leader's shard is whole on disk before the collective below: rank 0 (and a
+                # reader it starts, as the demo's report) may read every shard as soon as it is past
+                # it, and a leader holds its node's last windows until it closes the shard.
+                self.shard.close()
             # Every rank's GC totals for the end line (collective, like the flush before it).
             self._gc_ranks = gather_json(
                 self._group, self.rank, self.world_size, self.gc_report(), self.config.exchange_timeout_s

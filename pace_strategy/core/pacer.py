@@ -104,13 +104,15 @@ class WindowAnalysis:
     gathered: torch.Tensor  #: ``[world_size, steps, NUM_FIELDS]`` float64
     stats: WindowStats
     measure: WindowMeasure | str | None  #: ``None``: not rebalancing
+    #: a node leader's: every node's :func:`~pace_strategy.core.summary.node_steps`; else ``None``
+    node_steps: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class WindowResult:
     """What one exchanged window produced: the gathered window, its statistics and the new decision.
 
-    Per-step records for telemetry: ``StepSummarizer.summarize(result.gathered)``.
+    Per-step records for telemetry: ``StepSummarizer.summarize(result.gathered, nodes=result.node_steps)``.
     """
 
     window: int
@@ -120,10 +122,13 @@ class WindowResult:
     warnings: tuple[str, ...] = ()  #: straggler warnings to log (rate-limited)
     #: the rebalancing decision (``None``: no share schedule attached, or ``config.rebalance.enabled`` off)
     rebalance: RebalanceDecision | None = None
+    #: a node leader's: every node's per-step reductions (:func:`~pace_strategy.core.summary.node_steps`,
+    #: ``[nodes, steps, NUM_FIELDS]``), for ``StepSummarizer.summarize(gathered, nodes=node_steps)``
+    node_steps: torch.Tensor | None = None
 
 
 #: a launched window and its side thread (:mod:`pace_strategy.core.inflight`)
-_InFlight = WindowInFlight[torch.Tensor | None, WindowAnalysis]
+_InFlight = WindowInFlight[tuple[torch.Tensor, torch.Tensor | None] | None, WindowAnalysis]
 
 #: what a node leader sends its node of a window: scalars and text (JSON), and the per-rank vectors
 #: (one float64 row each: no per-number parsing at thousands of ranks)
@@ -672,12 +677,14 @@ class Pacer:
         hierarchy, index = self.hierarchy, self._window
         gather = (hierarchy or self.exchange).start(rows, steps[0].step, steps[-1].step)
 
-        def wait() -> torch.Tensor | None:
-            return self.exchange.wait(gather) if hierarchy is None else hierarchy.wait_window(gather)
+        def wait() -> tuple[torch.Tensor, torch.Tensor | None] | None:
+            if hierarchy is None:
+                return self.exchange.wait(gather), None
+            return hierarchy.wait_window(gather)
 
-        def analyze_window(window: torch.Tensor | None) -> WindowAnalysis:
+        def analyze_window(window: tuple[torch.Tensor, torch.Tensor | None] | None) -> WindowAnalysis:
             assert window is not None  # the flat exchange's, or a leader's: the whole window
-            return self.analyze(window, index)
+            return self.analyze(window[0], index, nodes=window[1])
 
         # a rank that is not a node leader receives its leader's verdict: nothing to analyse
         decides = hierarchy is None or hierarchy.is_leader
@@ -702,7 +709,8 @@ class Pacer:
             if self.hierarchy is not None:
                 self.hierarchy.send_verdict(*verdict_of(result))
             return result
-        assert self.hierarchy is not None and pending.wait() is None  # not a leader
+        received = pending.wait()  # not a node leader: its node's gather, then its leader's verdict
+        assert self.hierarchy is not None and received is None
         verdict = self.hierarchy.receive_verdict()
         if timed:
             self.exchange_wait_ns += time.perf_counter_ns() - started
@@ -774,11 +782,13 @@ class Pacer:
         on the calling thread."""
         return self._apply(self.analyze(gathered, self._window))
 
-    def analyze(self, gathered: torch.Tensor, index: int) -> WindowAnalysis:
+    def analyze(
+        self, gathered: torch.Tensor, index: int, nodes: torch.Tensor | None = None
+    ) -> WindowAnalysis:
         """Check window ``index`` and take what it gives before any decision (:class:`WindowAnalysis`):
         no state is read but the configuration and rebalancing's state, which only the decision of
-        the window before this one changes. Raises :class:`PaceDistributedError` when the ranks
-        disagree on its steps."""
+        the window before this one changes. ``nodes``: a node leader's node summaries, passed on.
+        Raises :class:`PaceDistributedError` when the ranks disagree on its steps."""
         labels = gathered[:, :, Field.STEP]
         # every rank's labels equal rank 0's: by their extremes over the ranks (a NaN fails both)
         if not (torch.equal(labels.amin(dim=0), labels[0]) and torch.equal(labels.amax(dim=0), labels[0])):
@@ -792,7 +802,7 @@ class Pacer:
         stats = window_stats(index, gathered)
         if stats.steps:
             stats.lead_spread  # noqa: B018 - taken here, off the training thread: every policy reads it
-        return WindowAnalysis(gathered, stats, self.controllers.rebalance.prepare(gathered, stats))
+        return WindowAnalysis(gathered, stats, self.controllers.rebalance.prepare(gathered, stats), nodes)
 
     def _apply(self, analysis: WindowAnalysis) -> WindowResult:
         """Let the controllers decide on an analysed window and apply the decision (training thread)."""
@@ -815,4 +825,5 @@ class Pacer:
             decision=verdict.decision,
             warnings=verdict.warnings,
             rebalance=verdict.rebalance,
+            node_steps=analysis.node_steps,
         )

@@ -3,17 +3,83 @@ controller decides on (that is :func:`~pace_strategy.core.skew.window_stats`).""
 
 from __future__ import annotations
 
+import enum
 import math
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from pace_strategy.core import glossary
 from pace_strategy.core.records import Field, StepSummary
 from pace_strategy.core.skew import kth_smallest, ranks_last
 
-__all__ = ["StepSummarizer"]
+__all__ = ["NodeStep", "StepSummarizer", "node_steps"]
+
+
+class NodeStep(enum.IntEnum):
+    """Columns of a node's per-step reductions (:func:`node_steps`): what a step's summary takes over
+    the ranks, reduced over one node's. Each node leader sends its node's beside the node's rows in
+    the leaders' all-gather (``exchange_topology: node_leaders``), and rank 0 summarizes each step
+    from the nodes' instead of every rank's (:meth:`StepSummarizer.summarize`). Ranks are global
+    rank numbers (exact in float64)."""
+
+    WAIT_MIN = 0
+    WAIT_MAX = 1
+    WAIT_MIN_RANK = 2  #: the node's first rank of the smallest wait (of the first NaN, if any)
+    COMPUTE_MAX = 3
+    COMPUTE_MAX_RANK = 4  #: the node's first rank of the largest compute (of the first NaN, if any)
+    VALID_MIN = 5
+    WARMUP_MAX = 6
+    STEP_MS_MAX = 7
+    DELAY_MS_MAX = 8
+    BUCKETS_MAX = 9
+    GC_MS_MAX = 10
+
+
+def node_steps(block: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+    """One node's per-step reductions ``[steps, fields]`` (columns :class:`NodeStep`, the rest 0) of
+    its rows ``block`` ``[node ranks, steps, fields]``, whose global ranks are ``ranks`` (ascending).
+    Shaped as one rank's rows, so that it travels as one more row of the node's block."""
+    out = torch.zeros(block.shape[1], block.shape[2], dtype=torch.float64)
+    numbers = torch.tensor(list(ranks), dtype=torch.float64)
+
+    def field(f: Field) -> torch.Tensor:
+        return block[:, :, f]
+
+    wait, compute = field(Field.WAIT_MS), field(Field.COMPUTE_MS)
+    out[:, NodeStep.WAIT_MIN] = wait.amin(dim=0)
+    out[:, NodeStep.WAIT_MAX] = wait.amax(dim=0)
+    out[:, NodeStep.WAIT_MIN_RANK] = numbers[wait.argmin(dim=0)]
+    out[:, NodeStep.COMPUTE_MAX] = compute.amax(dim=0)
+    out[:, NodeStep.COMPUTE_MAX_RANK] = numbers[compute.argmax(dim=0)]
+    out[:, NodeStep.VALID_MIN] = field(Field.VALID).amin(dim=0)
+    for column, f in _NODE_MAXIMA.items():
+        out[:, column] = field(f).amax(dim=0)
+    return out
+
+
+#: the columns of :func:`node_steps` that are a field's largest value over the node's ranks
+_NODE_MAXIMA = {
+    NodeStep.WARMUP_MAX: Field.WARMUP,
+    NodeStep.STEP_MS_MAX: Field.STEP_MS,
+    NodeStep.DELAY_MS_MAX: Field.DELAY_MS,
+    NodeStep.BUCKETS_MAX: Field.BUCKETS,
+    NodeStep.GC_MS_MAX: Field.GC_MS,
+}
+
+
+def _first_rank(values: np.ndarray, ranks: np.ndarray, largest: bool) -> np.ndarray:
+    """Per step, the first (lowest) global rank of the smallest (``largest``: the largest) value,
+    or of the first NaN where there is one, as torch's ``argmin`` / ``argmax`` over every rank gives
+    it, from each node's extreme ``values`` ``[nodes, steps]`` and the node's first rank of it
+    ``ranks``."""
+    nan = np.isnan(values)
+    extreme = values.max(axis=0) if largest else values.min(axis=0)  # NaN where a node has one
+    hit = np.where(nan.any(axis=0), nan, values == extreme)
+    return np.where(hit, ranks, np.inf).min(axis=0).astype(np.int64)
 
 
 class StepSummarizer:
@@ -27,47 +93,51 @@ class StepSummarizer:
     def __init__(self, cv_window_steps: int) -> None:
         self._cv = _RollingCV(cv_window_steps)
 
-    def summarize(self, g: torch.Tensor, per_rank: bool = True) -> tuple[StepSummary, ...]:
+    def summarize(
+        self, g: torch.Tensor, per_rank: bool = True, nodes: torch.Tensor | None = None
+    ) -> tuple[StepSummary, ...]:
         """Summaries of the steps of one gathered window ``[world_size, steps, NUM_FIELDS]``.
 
         ``per_rank=False``: the per-rank tuples are left empty (each would be W Python numbers per
         field per step: 2.9 million objects per window at 8,192 ranks); the step's own numbers and
         the leads' band are kept. For a writer whose per-rank columns come from ``g`` itself (the
-        columnar record) and tags that are not per rank (above ``per_rank_tag_limit``)."""
+        columnar record) and tags that are not per rank (above ``per_rank_tag_limit``).
+
+        ``nodes``: every node's :func:`node_steps` ``[nodes, steps, fields]`` (a node leader's
+        ``WindowResult.node_steps``): the step's extremes, flags and the ranks that reached them are
+        then reduced over the nodes' (exactly the same values), and only the leads' median reads
+        every rank's wait (it is no node's)."""
 
         # Reductions over the ranks (dim 0) of each field's view: with the exchange's field-major
         # window (:func:`~pace_strategy.core.comm.field_major`) no field is copied to reduce it.
         def field(f: Field) -> torch.Tensor:
             return g[:, :, f]  # [ranks, steps]
 
-        def high(f: Field) -> torch.Tensor:
-            return field(f).amax(dim=0)  # [steps]
-
         wait = field(Field.WAIT_MS)
         # The reductions that pick a rank (arg-min, arg-max, the median) run over each step's ranks
         # side by side: one blocked copy of each field they read (``ranks_last``), which costs less
         # than one of them over the window's view at 8,192 ranks.
         steps_wait = ranks_last(wait)  # [steps, ranks]
-        transfer = torch.from_numpy(glossary.transfer_ms(steps_wait, rank_axis=1))
-        wait_max = torch.from_numpy(steps_wait.max(axis=1))
+        of = _StepColumns.of_ranks(g, steps_wait) if nodes is None else _StepColumns.of_nodes(nodes)
+        transfer, wait_max = of.transfer, of.wait_max
         # The leads' band without the [ranks, steps] leads: a lead is wait - min(wait), monotone in
         # the wait, so the lead of the median (smallest, largest) wait is the median (smallest,
         # largest) lead. The median as ``sorted(leads)[W // 2]`` (the upper one of an even count).
         median = kth_smallest(steps_wait, g.shape[0] // 2)
         band = torch.stack((median - transfer, transfer - transfer, wait_max - transfer), dim=1).tolist()
-        gc_max = high(Field.GC_MS).tolist()
+        gc_max = of.gc_max.tolist()
         # Columns become Python lists once: per-element tensor indexing would cost ~100 us per step.
         columns = {f: field(f).T.tolist() for f in Field} if per_rank else {}
         leads = glossary.lead_ms(wait, rank_axis=0).T.tolist() if per_rank else []
         steps = g[0, :, Field.STEP].tolist()
         skew = (wait_max - transfer).tolist()  # glossary.skew_ms: max(wait) - min(wait)
-        valid = (field(Field.VALID).amin(dim=0) > 0).tolist()
-        warm = (high(Field.WARMUP) > 0).tolist()
-        straggler = glossary.straggler_rank(steps_wait, rank_axis=1).tolist()
-        compute_straggler = ranks_last(field(Field.COMPUTE_MS)).argmax(axis=1).tolist()
-        step_ms = high(Field.STEP_MS).tolist()
-        delay_max = high(Field.DELAY_MS).tolist()
-        buckets = high(Field.BUCKETS).tolist()
+        valid = (of.valid_min > 0).tolist()
+        warm = (of.warmup_max > 0).tolist()
+        straggler = of.straggler.tolist()
+        compute_straggler = of.compute_straggler.tolist()
+        step_ms = of.step_ms.tolist()
+        delay_max = of.delay_max.tolist()
+        buckets = of.buckets.tolist()
         wait_min, wait_top = transfer.tolist(), wait_max.tolist()
         out = []
         for i in range(g.shape[1]):
@@ -95,6 +165,63 @@ class StepSummarizer:
                 )
             )
         return tuple(out)
+
+
+class _StepColumns:
+    """A window's per-step reductions over its ranks that a summary reads (``[steps]`` each), from
+    every rank's rows or from the nodes' :func:`node_steps`: the same numbers either way."""
+
+    transfer: torch.Tensor  #: min(wait)
+    wait_max: torch.Tensor
+    straggler: np.ndarray  #: the first rank of min(wait): ``glossary.straggler_rank``
+    compute_straggler: np.ndarray  #: the first rank of max(compute)
+    valid_min: torch.Tensor
+    warmup_max: torch.Tensor
+    step_ms: torch.Tensor
+    delay_max: torch.Tensor
+    buckets: torch.Tensor
+    gc_max: torch.Tensor
+
+    @classmethod
+    def of_ranks(cls, g: torch.Tensor, steps_wait: np.ndarray) -> _StepColumns:
+        """From every rank's rows (``steps_wait``: the wait, ``ranks_last``)."""
+        c = cls()
+
+        def high(f: Field) -> torch.Tensor:
+            return g[:, :, f].amax(dim=0)
+
+        c.transfer = torch.from_numpy(glossary.transfer_ms(steps_wait, rank_axis=1))
+        c.wait_max = torch.from_numpy(steps_wait.max(axis=1))
+        c.straggler = glossary.straggler_rank(steps_wait, rank_axis=1)
+        c.compute_straggler = ranks_last(g[:, :, Field.COMPUTE_MS]).argmax(axis=1)
+        c.valid_min = g[:, :, Field.VALID].amin(dim=0)
+        c.warmup_max, c.step_ms = high(Field.WARMUP), high(Field.STEP_MS)
+        c.delay_max, c.buckets, c.gc_max = high(Field.DELAY_MS), high(Field.BUCKETS), high(Field.GC_MS)
+        return c
+
+    @classmethod
+    def of_nodes(cls, nodes: torch.Tensor) -> _StepColumns:
+        """From every node's :func:`node_steps` ``[nodes, steps, fields]``."""
+        c = cls()
+
+        def column(n: NodeStep) -> torch.Tensor:
+            return nodes[:, :, n]  # [nodes, steps]
+
+        def high(n: NodeStep) -> torch.Tensor:
+            return column(n).amax(dim=0)
+
+        c.transfer, c.wait_max = column(NodeStep.WAIT_MIN).amin(dim=0), high(NodeStep.WAIT_MAX)
+        c.straggler = _first_rank(
+            column(NodeStep.WAIT_MIN).numpy(), column(NodeStep.WAIT_MIN_RANK).numpy(), largest=False
+        )
+        c.compute_straggler = _first_rank(
+            column(NodeStep.COMPUTE_MAX).numpy(), column(NodeStep.COMPUTE_MAX_RANK).numpy(), largest=True
+        )
+        c.valid_min = column(NodeStep.VALID_MIN).amin(dim=0)
+        c.warmup_max, c.step_ms = high(NodeStep.WARMUP_MAX), high(NodeStep.STEP_MS_MAX)
+        c.delay_max, c.buckets = high(NodeStep.DELAY_MS_MAX), high(NodeStep.BUCKETS_MAX)
+        c.gc_max = high(NodeStep.GC_MS_MAX)
+        return c
 
 
 #: a summary without per-rank tuples (the later ones default to empty)

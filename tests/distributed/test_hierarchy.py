@@ -8,11 +8,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
 
 import pytest
 import torch
 
 from pace_strategy.core.hierarchy import NodeLayout
+from pace_strategy.core.summary import NodeStep
 from tests.distributed.ranks import raise_first, run_node_ranks, run_ranks
 from tests.unit.test_rebalance_policy import CFG, K, Model, rank_loop, splits
 
@@ -80,8 +82,11 @@ def test_only_the_node_leaders_hold_the_whole_window():
     def exchange(rank, group, hierarchy):
         window = torch.full((2, 17), float(rank), dtype=torch.float64)
         pending = hierarchy.start(window, 0, 1)
-        gathered = hierarchy.wait_window(pending)
+        got = hierarchy.wait_window(pending)
         if hierarchy.is_leader:
+            gathered, nodes = got
+            assert nodes.shape == (2, 2, 17)  # each node's per-step reductions
+            assert nodes[:, 0, NodeStep.WAIT_MIN_RANK].tolist() == [0.0, 3.0]  # rows: the rank number
             hierarchy.send_verdict({"node": hierarchy.node}, {"ranks": gathered[:, 0, 0].tolist()})
             rows[rank] = gathered
             return None
@@ -135,13 +140,23 @@ def test_a_verdict_carries_every_decision_exactly():
     assert back.gathered.numel() == 0  # the rows stay with the leaders
 
 
-def test_the_node_leaders_write_the_record_in_shards(tmp_path):
+def test_the_node_leaders_write_the_record_in_shards(tmp_path, monkeypatch):
     # record_format arrow with node leaders: rank 0 writes the global stream, each leader its node's
     # rows; read back, the record is the flat run's, step for step.
     pytest.importorskip("pyarrow")
     from pace_strategy.telemetry.arrays import load_arrays
+    from pace_strategy.telemetry.columnar import RankColumnsWriter
     from pace_strategy.telemetry.run_record import read_run_record
     from tests.unit.test_columnar_record import _arrays_equal
+
+    close = RankColumnsWriter.close
+
+    def slow_close(writer):  # node 1's leader is slow to write its last windows
+        if writer.path.name.endswith("node1.arrow"):
+            time.sleep(0.5)
+        close(writer)
+
+    monkeypatch.setattr(RankColumnsWriter, "close", slow_close)
 
     nodes, world = [4, 2], 6
     cfg = dataclasses.replace(CFG, mode="forced")
@@ -151,15 +166,25 @@ def test_the_node_leaders_write_the_record_in_shards(tmp_path):
     flat_tags: list = []
     tiered_tags: list = []
     raise_first(run_ranks(world, lambda r, g: loop(r, g, cfg=cfg, run_dir=flat_dir, tags=flat_tags)))
+    read_at_once: list = []
+
+    def read(rank):  # rank 0, as soon as its session finished: every shard is whole by then
+        if rank == 0:
+            read_at_once.append(read_run_record(tiered_dir))
+
     raise_first(
         run_node_ranks(
-            nodes, lambda r, g, h: loop(r, g, cfg=sharded, run_dir=tiered_dir, tags=tiered_tags, hierarchy=h)
+            nodes,
+            lambda r, g, h: loop(
+                r, g, cfg=sharded, run_dir=tiered_dir, tags=tiered_tags, hierarchy=h, finished=read
+            ),
         )
     )
     assert sorted(p.name for p in tiered_dir.iterdir()) == [
         "pace_run.jsonl", "pace_run.ranks.node0.arrow", "pace_run.ranks.node1.arrow"
     ]  # fmt: skip
     record = read_run_record(tiered_dir)
+    assert read_at_once[0].steps == record.steps and not read_at_once[0].truncated
     assert record.header["rank_columns"]["shards"] == [
         {"file": "pace_run.ranks.node0.arrow", "ranks": [0, 1, 2, 3]},
         {"file": "pace_run.ranks.node1.arrow", "ranks": [4, 5]},

@@ -30,9 +30,9 @@ def test_windows_are_analysed_on_a_side_thread_and_decided_as_the_training_threa
     applied: dict[int, list[tuple[str, torch.Tensor, int]]] = {r: [] for r in range(WORLD)}
     real_analyze, real_apply = Pacer.analyze, Pacer._apply
 
-    def analyze(self, gathered, index):
+    def analyze(self, gathered, index, nodes=None):
         analysed[self.rank].append(threading.current_thread().name)
-        return real_analyze(self, gathered, index)
+        return real_analyze(self, gathered, index, nodes)
 
     def apply(self, analysis):
         thread = threading.current_thread().name

@@ -276,11 +276,13 @@ def rank_loop(
     tags=None,
     pacing=None,
     hierarchy=None,
+    finished=None,
 ):
     """One rank's schedule entries, decisions and per-step times after ``steps`` steps (its pipeline
     builds ``built_extra`` batches beyond the ``lookahead`` it declares). With ``run_dir``, through a
-    PacingSession whose rank 0 writes the run record there and logs its tags into ``tags``; the
-    pacing decisions go into ``pacing``, if given."""
+    PacingSession whose rank 0 writes the run record there and logs its tags into ``tags``, and
+    ``finished(rank)`` is called as soon as the session has finished; the pacing decisions go into
+    ``pacing``, if given."""
     world = len(model.per_sample_ms)
     clock = ManualClock()
     session = None
@@ -339,6 +341,8 @@ def rank_loop(
     if session is not None:
         state = pacer.state_dict()
         session.finish()
+        if finished is not None:
+            finished(rank)
         return schedule.entries, decisions, step_ms, state
     decisions += [r.rebalance for r in pacer.flush()]
     return schedule.entries, decisions, step_ms, pacer.state_dict()

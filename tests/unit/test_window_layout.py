@@ -12,7 +12,7 @@ from pace_strategy.core.pacer import Pacer
 from pace_strategy.core.records import NUM_FIELDS, Field
 from pace_strategy.core.shares import ShareSchedule
 from pace_strategy.core.skew import kth_smallest
-from pace_strategy.core.summary import StepSummarizer
+from pace_strategy.core.summary import StepSummarizer, node_steps
 
 
 def _window(world: int, steps: int, first: int, seed: int) -> torch.Tensor:
@@ -117,3 +117,35 @@ def test_kth_smallest_is_torchs_median_and_kthvalue():
         assert torch.equal(got.isnan(), median.isnan()) and torch.equal(got[clean], median[clean])
         upper, got = x.kthvalue(n // 2 + 1, dim=1).values, kth_smallest(x, n // 2)
         assert torch.equal(got[clean], upper[clean]) and bool(got[~clean].isnan().all())
+
+
+def test_summaries_from_the_nodes_reductions_are_the_ones_from_every_rank():
+    # node leaders send each node's per-step reductions (node_steps); rank 0 summarizes from them
+    world, steps = 9, 6
+    layouts = [
+        ((0, 1, 2), (3, 4, 5), (6, 7, 8)),
+        ((0, 2, 4, 6, 8), (1, 3), (5, 7)),  # interleaved, uneven
+        ((0,), (1, 2, 3, 4, 5, 6, 7, 8)),
+    ]
+    compared = 0
+    for seed in range(4):
+        step_major = _window(world, steps, 0, seed=seed)
+        if seed == 1:  # NaN: the first NaN rank is the straggler, as torch's argmin gives it
+            step_major[[7, 2], 3, Field.WAIT_MS] = float("nan")
+            step_major[5, 4, Field.COMPUTE_MS] = float("nan")
+            step_major[8, 4, Field.GC_MS] = float("nan")
+        if seed == 2:  # every rank tied
+            step_major[:, 5, Field.WAIT_MS] = 1.0
+            step_major[:, 5, Field.COMPUTE_MS] = 3.0
+        g = _field_major(step_major)
+        for nodes in layouts:
+            reduced = torch.stack([node_steps(step_major[list(ranks)], ranks) for ranks in nodes])
+            for per_rank in (True, False):
+                every = StepSummarizer(8).summarize(g, per_rank=per_rank)
+                by_node = StepSummarizer(8).summarize(g, per_rank=per_rank, nodes=reduced)
+                assert repr(by_node) == repr(every)  # NaN included (NaN != NaN)
+                compared += len(every)
+                if seed == 1:
+                    assert by_node[3].straggler_rank == 2 and by_node[4].compute_straggler_rank == 5
+                    assert by_node[2].straggler_rank == 3  # the slow rank (the smallest wait)
+    assert compared == 4 * 3 * 2 * steps
