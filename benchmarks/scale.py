@@ -59,7 +59,7 @@ from pace_strategy.core.inflight import WindowInFlight
 from pace_strategy.core.pacer import Pacer, result_of, verdict_of
 from pace_strategy.core.records import NUM_FIELDS, Field
 from pace_strategy.core.shares import ShareSchedule
-from pace_strategy.core.summary import StepSummarizer, node_steps
+from pace_strategy.core.summary import StepSummarizer, node_steps, node_transfer
 from pace_strategy.telemetry.columnar import RankColumnsWriter
 from pace_strategy.telemetry.run_record import RunRecordWriter
 from pace_strategy.telemetry.schema import step_metrics
@@ -181,7 +181,7 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         summarized = time.perf_counter()
         arrow.write_window(lean_summaries, None, gathered=g)
         arrow_done = time.perf_counter()
-        shard.write_gathered(g)  # on the training thread, as every node leader does
+        shard.write_gathered(g, node_transfer(nodes))  # on the training thread, as every leader does
         # every node's per-step reductions, as its leader sends them beside its node's rows
         shard_summaries = sharded.summarize(g, per_rank=per_rank, nodes=nodes)
         for s in shard_summaries:
@@ -194,7 +194,7 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         if step_major_pacer._decide(rowwise).decision != paced_result.decision:
             raise AssertionError("the window's layout changed a decision")
         layout_decided = time.perf_counter()
-        step_major_shard.write_gathered(rowwise)
+        step_major_shard.write_gathered(rowwise, node_transfer(nodes))
         rowwise_summaries = step_major_summarizer.summarize(rowwise, per_rank=per_rank, nodes=nodes)
         for s in rowwise_summaries:
             step_metrics(s, config.per_rank_tag_limit, batch_shares=True)

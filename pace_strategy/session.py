@@ -48,7 +48,7 @@ from pace_strategy.core.memory import device_memory_probe
 from pace_strategy.core.netif import GLOO_IFNAME_VARIABLE, gloo_interface
 from pace_strategy.core.pacer import Pacer, WindowResult
 from pace_strategy.core.state import STATE_VERSION, PacingStateError, StatefulComponent, check_state
-from pace_strategy.core.summary import StepSummarizer
+from pace_strategy.core.summary import StepSummarizer, node_transfer
 from pace_strategy.core.watchdog import HANG_EXIT_CODE, HangReport, HangWatchdog, job_store
 from pace_strategy.telemetry.columnar import SHARD_BATCH_ROWS, RankColumnsWriter, rank_columns_filename
 from pace_strategy.telemetry.record_lines import HangLine, ResumeLine
@@ -418,7 +418,9 @@ class PacingSession:
         ~65 us per scalar on its bounded queue, ~1 ms per step for the pace/ tags). A node leader
         with a shard of the record appends its node's rows to it first (a few ranks' rows)."""
         if self.shard is not None and result.gathered.numel():
-            self.shard.write_gathered(result.gathered)
+            # the leads' reference, each step's smallest wait, from the nodes' (a node leader's)
+            nodes = result.node_steps
+            self.shard.write_gathered(result.gathered, None if nodes is None else node_transfer(nodes))
         if self.rank != 0:
             return
         if self.metrics_sink is None and self.record is None and self.endpoint is None:

@@ -16,7 +16,7 @@ from pace_strategy.core import glossary
 from pace_strategy.core.records import Field, StepSummary
 from pace_strategy.core.skew import kth_smallest, ranks_last
 
-__all__ = ["NodeStep", "StepSummarizer", "node_steps"]
+__all__ = ["NodeStep", "StepSummarizer", "node_steps", "node_transfer"]
 
 
 class NodeStep(enum.IntEnum):
@@ -61,6 +61,12 @@ def node_steps(block: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     return out
 
 
+def node_transfer(nodes: torch.Tensor) -> np.ndarray:
+    """Each step's smallest wait over every rank (``glossary.transfer_ms``, NaN where any rank's is
+    NaN), from every node's :func:`node_steps` ``[nodes, steps, fields]``."""
+    return nodes[:, :, NodeStep.WAIT_MIN].amin(dim=0).numpy()
+
+
 #: the columns of :func:`node_steps` that are a field's largest value over the node's ranks
 _NODE_MAXIMA = {
     NodeStep.WARMUP_MAX: Field.WARMUP,
@@ -71,14 +77,13 @@ _NODE_MAXIMA = {
 }
 
 
-def _first_rank(values: np.ndarray, ranks: np.ndarray, largest: bool) -> np.ndarray:
-    """Per step, the first (lowest) global rank of the smallest (``largest``: the largest) value,
-    or of the first NaN where there is one, as torch's ``argmin`` / ``argmax`` over every rank gives
-    it, from each node's extreme ``values`` ``[nodes, steps]`` and the node's first rank of it
-    ``ranks``."""
+def _first_rank(values: np.ndarray, ranks: np.ndarray, extreme: np.ndarray) -> np.ndarray:
+    """Per step, the first (lowest) global rank whose value is the step's ``extreme`` over every rank
+    (its smallest or largest, NaN where any is NaN), or of the first NaN where there is one, as
+    torch's ``argmin`` / ``argmax`` over every rank gives it: from each node's extreme ``values``
+    ``[nodes, steps]`` and the node's first rank of it ``ranks``."""
     nan = np.isnan(values)
-    extreme = values.max(axis=0) if largest else values.min(axis=0)  # NaN where a node has one
-    hit = np.where(nan.any(axis=0), nan, values == extreme)
+    hit = np.where(np.isnan(extreme), nan, values == extreme)
     return np.where(hit, ranks, np.inf).min(axis=0).astype(np.int64)
 
 
@@ -201,26 +206,31 @@ class _StepColumns:
 
     @classmethod
     def of_nodes(cls, nodes: torch.Tensor) -> _StepColumns:
-        """From every node's :func:`node_steps` ``[nodes, steps, fields]``."""
+        """From every node's :func:`node_steps` ``[nodes, steps, fields]``: every column's smallest
+        and largest over the nodes in one pass each (the nodes' rows are step-major)."""
         c = cls()
+        each = nodes.detach().cpu().numpy()  # [nodes, steps, fields]
+        low, high = each.min(axis=0), each.max(axis=0)  # [steps, fields], NaN where a node has one
 
-        def column(n: NodeStep) -> torch.Tensor:
-            return nodes[:, :, n]  # [nodes, steps]
+        def lowest(n: NodeStep) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(low[:, n]))
 
-        def high(n: NodeStep) -> torch.Tensor:
-            return column(n).amax(dim=0)
+        def highest(n: NodeStep) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(high[:, n]))
 
-        c.transfer, c.wait_max = column(NodeStep.WAIT_MIN).amin(dim=0), high(NodeStep.WAIT_MAX)
+        c.transfer, c.wait_max = lowest(NodeStep.WAIT_MIN), highest(NodeStep.WAIT_MAX)
         c.straggler = _first_rank(
-            column(NodeStep.WAIT_MIN).numpy(), column(NodeStep.WAIT_MIN_RANK).numpy(), largest=False
+            each[:, :, NodeStep.WAIT_MIN], each[:, :, NodeStep.WAIT_MIN_RANK], low[:, NodeStep.WAIT_MIN]
         )
         c.compute_straggler = _first_rank(
-            column(NodeStep.COMPUTE_MAX).numpy(), column(NodeStep.COMPUTE_MAX_RANK).numpy(), largest=True
+            each[:, :, NodeStep.COMPUTE_MAX],
+            each[:, :, NodeStep.COMPUTE_MAX_RANK],
+            high[:, NodeStep.COMPUTE_MAX],
         )
-        c.valid_min = column(NodeStep.VALID_MIN).amin(dim=0)
-        c.warmup_max, c.step_ms = high(NodeStep.WARMUP_MAX), high(NodeStep.STEP_MS_MAX)
-        c.delay_max, c.buckets = high(NodeStep.DELAY_MS_MAX), high(NodeStep.BUCKETS_MAX)
-        c.gc_max = high(NodeStep.GC_MS_MAX)
+        c.valid_min = lowest(NodeStep.VALID_MIN)
+        c.warmup_max, c.step_ms = highest(NodeStep.WARMUP_MAX), highest(NodeStep.STEP_MS_MAX)
+        c.delay_max, c.buckets = highest(NodeStep.DELAY_MS_MAX), highest(NodeStep.BUCKETS_MAX)
+        c.gc_max = highest(NodeStep.GC_MS_MAX)
         return c
 
 

@@ -163,10 +163,12 @@ class RankColumnsWriter:
         columns["host_bound"] = [s.host_bound for s in summaries]
         self.write_rows([s.step for s in summaries], columns)
 
-    def write_gathered(self, g: Any) -> None:
+    def write_gathered(self, g: Any, transfer: np.ndarray | None = None) -> None:
         """One record batch straight from a gathered window (``[every rank, steps, NUM_FIELDS]``
         float64, a torch tensor; this file's ranks are taken from it, their leads measured against
-        every rank): no per-rank Python objects, the same values as :meth:`write`."""
+        every rank): no per-rank Python objects, the same values as :meth:`write`. ``transfer``:
+        each step's smallest wait over every rank, when known (a node leader's, from the nodes'
+        reductions: ``core.summary.node_transfer``), else taken from ``g``."""
         from pace_strategy.core import glossary
         from pace_strategy.core.records import Field
 
@@ -175,7 +177,8 @@ class RankColumnsWriter:
             return
         # Only this file's ranks are copied (a node leader's shard: its node of thousands); the
         # leads' reference, the step's smallest wait, is over every rank.
-        transfer = glossary.transfer_ms(g[:, :, Field.WAIT_MS], rank_axis=0).numpy()
+        if transfer is None:
+            transfer = glossary.transfer_ms(g[:, :, Field.WAIT_MS], rank_axis=0).numpy()
         # [these ranks, steps, fields]: a view when they are consecutive (every rank, or a node of
         # consecutive ranks), which keeps the window's field-major layout; else a copy of their rows
         lo = self.ranks[0] if self.ranks else 0

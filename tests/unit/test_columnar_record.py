@@ -205,10 +205,14 @@ def test_a_wide_world_is_summarized_without_per_rank_objects(tmp_path):
     laid_out = field_major(*g.shape)
     laid_out.copy_(g)
     whole, _, _ = read_rank_columns(tmp_path / "a.arrow", world)
+    from pace_strategy.core.summary import node_steps, node_transfer
+
+    # the leads' reference from every node's reductions (a node leader's), or from every rank
+    nodes = torch.stack([node_steps(g[r : r + 10], range(r, r + 10)) for r in range(0, world, 10)])
     for ranks in ((1, 5, 7), tuple(range(3, 9))):
-        for window in (g, laid_out):
+        for window, transfer in ((g, None), (laid_out, None), (laid_out, node_transfer(nodes))):
             shard = RankColumnsWriter(tmp_path / "shard.arrow", len(ranks), ranks=ranks)
-            shard.write_gathered(window)
+            shard.write_gathered(window, transfer)
             shard.close()
             part, _, _ = read_rank_columns(tmp_path / "shard.arrow", len(ranks))
             assert set(part) == set(whole)
