@@ -138,6 +138,7 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
     follow_ms: list[float] = []
     pacing_thread_ms: list[float] = []  # the part of the decision on the training thread
     decide_thread_ms: list[float] = []
+    verdict_ms: list[float] = []
     verdict_bytes: list[int] = []
     for i in range(repeat + 1):
         g = window(world, steps, i * steps, seed=i)
@@ -164,6 +165,8 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         text = json.dumps({**meta, "$vectors": list(vectors)}).encode()  # as HierarchicalExchange sends it
         rows = torch.tensor([list(v) for v in vectors.values()], dtype=torch.float64)
         followed = time.perf_counter()
+        if i:  # a leader's: its verdict made ready for its node, on the training thread
+            verdict_ms.append((followed - decided) * 1e3)
         received = json.loads(text)
         result_of((received, dict(zip(received.pop("$vectors"), rows, strict=True))), world)
         follow_ms.append((time.perf_counter() - followed) * 1e3)
@@ -231,6 +234,7 @@ def measure(world: int, steps: int, repeat: int, out: Path) -> dict[str, float]:
         "decision_ms": statistics.median(decide_ms),
         "decision_ms_pacing_training_thread": statistics.median(pacing_thread_ms),
         "decision_ms_training_thread": statistics.median(decide_thread_ms),
+        "leader_verdict_ms": statistics.median(verdict_ms),
         "rank0_telemetry_ms": statistics.median(publish_ms),
         # node_leaders, 8 ranks per node: a non-leader receives its 7 peers' rows and the verdict
         "node_leaders_bytes_received_per_window": (PER_NODE - 1) * steps * NUM_FIELDS * 8
@@ -345,13 +349,16 @@ def main() -> int:
             f"{r['ranks']:>6,} {before:>8.1f} | {now:>5.1f} ms (x{before / now:.1f}) "
             f"{r['rank0_telemetry_ms_shards_step_major']:>12.1f} | {r['rank0_telemetry_ms_shards']:>5.1f} ms"
         )
-    print("\nthe decision: analysis (side thread) + decide (training thread), pacing | with rebalancing")
+    print(
+        "\nthe decision: analysis (side thread) + decide (training thread), pacing | with rebalancing;"
+        " a leader's verdict for its node (training thread)"
+    )
     for r in rows:
         pacing_side = r["decision_ms_pacing"] - r["decision_ms_pacing_training_thread"]
         side = r["decision_ms"] - r["decision_ms_training_thread"]
         print(
             f"{r['ranks']:>6,} {pacing_side:>6.1f} + {r['decision_ms_pacing_training_thread']:>5.2f} ms | "
-            f"{side:>6.1f} + {r['decision_ms_training_thread']:>5.2f} ms"
+            f"{side:>6.1f} + {r['decision_ms_training_thread']:>5.2f} ms; {r['leader_verdict_ms']:>5.2f} ms"
         )
     print("\nthe side thread beside a ~50 ms step of matrix products (rebalancing on)")
     print(f"{'ranks':>6} {'step alone':>11} {'step beside it':>15} {'wait for it':>12} {'decide':>9}")

@@ -32,6 +32,9 @@ try:
     before = sockets()
     group = side_group(PacingConfig(exchange_timeout_s=15.0))
     print(f"side group built with {sockets() - before} sockets")
+    # Both ranks have counted before either talks on the side group: the peer's first collective
+    # connects to this rank's listening socket (lazily), which would be counted here otherwise.
+    dist.barrier()
     assert "TORCH_GLOO_LAZY_INIT" not in os.environ  # set only while the group was built
     value = torch.ones(1)
     dist.all_reduce(value, group=group)
