@@ -13,8 +13,8 @@ process; the collective's cost from the ring model, not measured):
 - **the side thread beside a step of real compute** (rebalancing on): the training thread runs a
   step of ~50 ms of single-threaded matrix products while the window's side thread analyses the
   window, then collects the analysis and decides: the step's compute time with and without the
-  side thread beside it (the GIL and the memory bus are shared), the wait for the side thread, and
-  the decision on the training thread;
+  side thread beside it (the GIL and the memory bus are shared), the wait for the side thread, the
+  decision on the training thread, and the window's memory freed where its last reference goes;
 - **rank 0's telemetry** per window, on its telemetry thread: per-step summaries, the run record's
   lines, and the TensorBoard tags (to a sink that only counts them), with each record format (with
   the columnar one, above ``per_rank_tag_limit`` the summaries build no per-rank tuples and the
@@ -276,7 +276,7 @@ def beside_a_step(world: int, steps: int, repeat: int, step_ms: float = 50.0) ->
             a @ a
         return (time.perf_counter() - started) * 1e3
 
-    alone, beside, join, decide = [], [], [], []
+    alone, beside, join, decide, release = [], [], [], [], []
     for i in range(repeat + 1):
         g = window(world, steps, i * steps, seed=100 + i)
         quiet = step()
@@ -288,17 +288,25 @@ def beside_a_step(world: int, steps: int, repeat: int, step_ms: float = 50.0) ->
         analysis = flight.result(60.0, 0, world)
         joined = time.perf_counter()
         pacer._apply(analysis)
+        decided = time.perf_counter()
+        # the window's last references: where a WindowResult is dropped (the training thread, or
+        # rank 0's telemetry thread), the window's memory goes back to the system (36 MB at 8,192
+        # ranks: an munmap), timed apart (it would otherwise land in the next window's wait)
+        del analysis, flight, g
+        released = time.perf_counter()
         if i:
             alone.append(quiet)
             beside.append(busy)
             join.append((joined - started) * 1e3)
-            decide.append((time.perf_counter() - joined) * 1e3)
+            decide.append((decided - joined) * 1e3)
+            release.append((released - decided) * 1e3)
     return {
         "ranks": world,
         "step_ms_alone": statistics.median(alone),
         "step_ms_beside_side_thread": statistics.median(beside),
         "join_wait_ms": statistics.median(join),
         "decide_ms_training_thread": statistics.median(decide),
+        "release_ms": statistics.median(release),
     }
 
 
@@ -361,7 +369,10 @@ def main() -> int:
             f"{side:>6.1f} + {r['decision_ms_training_thread']:>5.2f} ms; {r['leader_verdict_ms']:>5.2f} ms"
         )
     print("\nthe side thread beside a ~50 ms step of matrix products (rebalancing on)")
-    print(f"{'ranks':>6} {'step alone':>11} {'step beside it':>15} {'wait for it':>12} {'decide':>9}")
+    print(
+        f"{'ranks':>6} {'step alone':>11} {'step beside it':>15} {'wait for it':>12} {'decide':>9} "
+        f"{'window freed':>13}"
+    )
     for world in (int(r) for r in args.ranks.split(",")):
         b = beside_a_step(world, args.steps, args.repeat)
         r = next(r for r in rows if r["ranks"] == world)
@@ -369,7 +380,7 @@ def main() -> int:
         print(
             f"{world:>6,} {b['step_ms_alone']:>8.1f} ms {b['step_ms_beside_side_thread']:>9.1f} ms "
             f"(x{b['step_ms_beside_side_thread'] / b['step_ms_alone']:.3f}) {b['join_wait_ms']:>8.2f} ms "
-            f"{b['decide_ms_training_thread']:>6.2f} ms",
+            f"{b['decide_ms_training_thread']:>6.2f} ms {b['release_ms']:>10.2f} ms",
             flush=True,
         )
     if args.json:
