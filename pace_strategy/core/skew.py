@@ -6,8 +6,7 @@ dim 0 of torch tensors.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -125,17 +124,26 @@ class WindowStats:
     #: whatever else reads the same window (rebalancing's measure); ``None``: not computed
     usable: torch.Tensor | None = None
 
-    @functools.cached_property
+    #: :attr:`lead_spread` once taken (set once, by whoever reads it first)
+    _lead_spread: tuple[torch.Tensor, torch.Tensor] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    @property
     def lead_spread(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per rank ``[world_size]``, ms: the median of its pacable lead over the usable steps (torch's
         ``median(dim=1)``: the lower middle value of an even count) and the lead's population
         standard deviation (its noise; zeros with fewer than two steps), what the pacing policy sizes
-        delays from. Computed once, on first use: a Pacer computes it on its window side thread
-        (:mod:`pace_strategy.core.pacer`), off the training thread (3.6 ms at 8,192 ranks)."""
-        leads = self.pacable_lead_ms
-        median = kth_smallest(leads, (leads.shape[1] - 1) // 2)
-        noise = leads.std(dim=1, correction=0) if leads.shape[1] > 1 else torch.zeros_like(median)
-        return median, noise
+        delays from. Taken once, on first use: a Pacer takes it on its window side thread
+        (:mod:`pace_strategy.core.pacer`), off the training thread (3.6 ms at 8,192 ranks). (Not a
+        ``functools.cached_property``: before Python 3.12 that holds one lock for every instance.)"""
+        if self._lead_spread is None:
+            leads = self.pacable_lead_ms
+            median = kth_smallest(leads, (leads.shape[1] - 1) // 2)
+            noise = leads.std(dim=1, correction=0) if leads.shape[1] > 1 else torch.zeros_like(median)
+            object.__setattr__(self, "_lead_spread", (median, noise))  # frozen: set once
+        assert self._lead_spread is not None
+        return self._lead_spread
 
     @property
     def skew_fraction(self) -> float:
