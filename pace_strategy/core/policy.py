@@ -346,7 +346,7 @@ class PacingPolicy:
         """This window's delays and the severe / calm streaks (kept in every mode and state)."""
         cfg = self.config
         delays = self._delays(stats)
-        pacable = any(d > 0.0 for d in delays)
+        pacable = any(map((0.0).__lt__, delays))  # some d > 0.0
         frac = stats.skew_fraction
         severe = frac >= cfg.activate_skew_fraction and pacable
         calm = frac < cfg.deactivate_skew_fraction or not pacable
