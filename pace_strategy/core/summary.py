@@ -39,25 +39,35 @@ class NodeStep(enum.IntEnum):
     GC_MS_MAX = 10
 
 
-def node_steps(block: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+def node_steps(
+    block: torch.Tensor, ranks: Sequence[int], steps_wait: np.ndarray | None = None
+) -> torch.Tensor:
     """One node's per-step reductions ``[steps, fields]`` (columns :class:`NodeStep`, the rest 0) of
     its rows ``block`` ``[node ranks, steps, fields]``, whose global ranks are ``ranks`` (ascending).
-    Shaped as one rank's rows, so that it travels as one more row of the node's block."""
+    Shaped as one rank's rows, so that it travels as one more row of the node's block. The whole
+    window is one node of every rank to :meth:`StepSummarizer.summarize` (``steps_wait``: the
+    block's wait as :func:`~pace_strategy.core.skew.ranks_last` gives it, when the caller has it).
+
+    The reductions that pick a rank (arg-min, arg-max) run over each step's ranks side by side
+    (``ranks_last``: at 8,192 ranks one blocked copy costs less than one of them over the window's
+    view); the first rank on a tie, the first NaN where there is one, as torch's over the ranks."""
     out = torch.zeros(block.shape[1], block.shape[2], dtype=torch.float64)
-    numbers = torch.tensor(list(ranks), dtype=torch.float64)
-
-    def field(f: Field) -> torch.Tensor:
-        return block[:, :, f]
-
-    wait, compute = field(Field.WAIT_MS), field(Field.COMPUTE_MS)
-    out[:, NodeStep.WAIT_MIN] = wait.amin(dim=0)
-    out[:, NodeStep.WAIT_MAX] = wait.amax(dim=0)
-    out[:, NodeStep.WAIT_MIN_RANK] = numbers[wait.argmin(dim=0)]
-    out[:, NodeStep.COMPUTE_MAX] = compute.amax(dim=0)
-    out[:, NodeStep.COMPUTE_MAX_RANK] = numbers[compute.argmax(dim=0)]
-    out[:, NodeStep.VALID_MIN] = field(Field.VALID).amin(dim=0)
+    o = out.numpy()
+    numbers = (  # a range of 8,192 ranks converted number by number costs 0.3 ms
+        np.arange(ranks.start, ranks.stop, ranks.step, dtype=np.float64)
+        if isinstance(ranks, range)
+        else np.asarray(ranks, dtype=np.float64)
+    )
+    wait = ranks_last(block[:, :, Field.WAIT_MS]) if steps_wait is None else steps_wait  # [steps, ranks]
+    compute = ranks_last(block[:, :, Field.COMPUTE_MS])
+    o[:, NodeStep.WAIT_MIN] = glossary.transfer_ms(wait, rank_axis=1)
+    o[:, NodeStep.WAIT_MAX] = wait.max(axis=1)
+    o[:, NodeStep.WAIT_MIN_RANK] = numbers[glossary.straggler_rank(wait, rank_axis=1)]
+    o[:, NodeStep.COMPUTE_MAX] = compute.max(axis=1)
+    o[:, NodeStep.COMPUTE_MAX_RANK] = numbers[compute.argmax(axis=1)]
+    o[:, NodeStep.VALID_MIN] = block[:, :, Field.VALID].amin(dim=0).numpy()
     for column, f in _NODE_MAXIMA.items():
-        out[:, column] = field(f).amax(dim=0)
+        o[:, column] = block[:, :, f].amax(dim=0).numpy()
     return out
 
 
@@ -119,11 +129,12 @@ class StepSummarizer:
             return g[:, :, f]  # [ranks, steps]
 
         wait = field(Field.WAIT_MS)
-        # The reductions that pick a rank (arg-min, arg-max, the median) run over each step's ranks
-        # side by side: one blocked copy of each field they read (``ranks_last``), which costs less
-        # than one of them over the window's view at 8,192 ranks.
+        # Each step's ranks side by side (``ranks_last``) for the median, and for the extremes when
+        # there are no nodes' reductions: every rank is then one node's.
         steps_wait = ranks_last(wait)  # [steps, ranks]
-        of = _StepColumns.of_ranks(g, steps_wait) if nodes is None else _StepColumns.of_nodes(nodes)
+        if nodes is None:
+            nodes = node_steps(g, range(g.shape[0]), steps_wait).unsqueeze(0)
+        of = _StepColumns.of_nodes(nodes)
         transfer, wait_max = of.transfer, of.wait_max
         # The leads' band without the [ranks, steps] leads: a lead is wait - min(wait), monotone in
         # the wait, so the lead of the median (smallest, largest) wait is the median (smallest,
@@ -174,7 +185,7 @@ class StepSummarizer:
 
 class _StepColumns:
     """A window's per-step reductions over its ranks that a summary reads (``[steps]`` each), from
-    every rank's rows or from the nodes' :func:`node_steps`: the same numbers either way."""
+    the nodes' :func:`node_steps`."""
 
     transfer: torch.Tensor  #: min(wait)
     wait_max: torch.Tensor
@@ -186,23 +197,6 @@ class _StepColumns:
     delay_max: torch.Tensor
     buckets: torch.Tensor
     gc_max: torch.Tensor
-
-    @classmethod
-    def of_ranks(cls, g: torch.Tensor, steps_wait: np.ndarray) -> _StepColumns:
-        """From every rank's rows (``steps_wait``: the wait, ``ranks_last``)."""
-        c = cls()
-
-        def high(f: Field) -> torch.Tensor:
-            return g[:, :, f].amax(dim=0)
-
-        c.transfer = torch.from_numpy(glossary.transfer_ms(steps_wait, rank_axis=1))
-        c.wait_max = torch.from_numpy(steps_wait.max(axis=1))
-        c.straggler = glossary.straggler_rank(steps_wait, rank_axis=1)
-        c.compute_straggler = ranks_last(g[:, :, Field.COMPUTE_MS]).argmax(axis=1)
-        c.valid_min = g[:, :, Field.VALID].amin(dim=0)
-        c.warmup_max, c.step_ms = high(Field.WARMUP), high(Field.STEP_MS)
-        c.delay_max, c.buckets, c.gc_max = high(Field.DELAY_MS), high(Field.BUCKETS), high(Field.GC_MS)
-        return c
 
     @classmethod
     def of_nodes(cls, nodes: torch.Tensor) -> _StepColumns:
