@@ -104,7 +104,13 @@ def pacable_lead(wait_ms: torch.Tensor, delay_ms: torch.Tensor, compute_ms: torc
     or late by its waits although its compute is normal; taking the minimum of both never paces a rank
     for lateness that the network caused.
     """
-    wait_lead = lead(wait_ms + delay_ms)
+    return _pacable_lead(wait_ms + delay_ms, compute_ms)
+
+
+def _pacable_lead(unpaced_wait_ms: torch.Tensor, compute_ms: torch.Tensor) -> torch.Tensor:
+    """:func:`pacable_lead` from the unpaced waits (``wait + delay``), which the window statistics
+    form once for the skew as well."""
+    wait_lead = lead(unpaced_wait_ms)
     compute_lead = compute_ms.amax(dim=0, keepdim=True) - compute_ms
     return torch.minimum(wait_lead, compute_lead).clamp_min(0.0)
 
@@ -173,7 +179,8 @@ def window_stats(window: int, gathered: torch.Tensor) -> WindowStats:
     delay = usable_field(gathered, usable, Field.DELAY_MS)
     compute = usable_field(gathered, usable, Field.COMPUTE_MS)
     step_ms = usable_field(gathered, usable, Field.STEP_MS).amax(dim=0)
-    unpaced_skew = skew(wait + delay)
+    unpaced = wait + delay
+    unpaced_skew = skew(unpaced)
     # each step's straggler over its ranks side by side (``ranks_last``: a third of the time)
     straggler = torch.from_numpy(glossary.straggler_rank(ranks_last(wait), rank_axis=1))
     stragglers = torch.bincount(straggler, minlength=world_size)
@@ -183,7 +190,7 @@ def window_stats(window: int, gathered: torch.Tensor) -> WindowStats:
         steps=steps,
         median_step_ms=float(step_ms.median()),
         median_unpaced_skew_ms=float(unpaced_skew.median()),
-        pacable_lead_ms=pacable_lead(wait, delay, compute),
+        pacable_lead_ms=_pacable_lead(unpaced, compute),
         straggler_counts=tuple(stragglers.tolist()),  # int64: Python ints already
         usable=usable,
     )
