@@ -120,7 +120,9 @@ def main() -> None:
         opt.zero_grad()
         session.end_step()
         if step + 1 == args.ready_at:
-            (run_dir / f"reached{rank}").write_text(str(os.getpid()))
+            # whole or not there: a reader that sees the marker reads the pid
+            (run_dir / f"reached{rank}.tmp").write_text(str(os.getpid()))
+            os.replace(run_dir / f"reached{rank}.tmp", run_dir / f"reached{rank}")
     session.finish()
     dist.destroy_process_group()
     leave_without_finalization(0)

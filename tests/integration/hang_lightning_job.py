@@ -28,7 +28,10 @@ class Module(pl.LightningModule):
     def training_step(self, batch: torch.Tensor, index: int) -> torch.Tensor:
         time.sleep(0.01)  # stands in for compute: keeps the 2 cores free for the other rank
         if index == 6:
-            (self.out / f"reached{self.global_rank}").write_text(str(os.getpid()))
+            # whole or not there: the test reads the pid as soon as the marker exists
+            marker = self.out / f"reached{self.global_rank}"
+            marker.with_suffix(".tmp").write_text(str(os.getpid()))
+            os.replace(marker.with_suffix(".tmp"), marker)
         return self.net(batch).pow(2).mean()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
