@@ -26,6 +26,15 @@ HANG_TIMEOUT_S = 3.0
 ENDS_WITHIN_S = HANG_TIMEOUT_S + 30.0
 
 
+def _is_job(pid: int) -> bool:
+    """Whether ``pid`` is still one of this test's job scripts (not a process that reused the pid)."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"hang_lightning_job.py" in command or b"fault_job.py" in command
+
+
 def _gone(pid: int) -> bool:
     """No such process, or a zombie (ended; its parent, gone too, cannot reap it here)."""
     try:
@@ -79,8 +88,13 @@ def ended(tmp_path_factory):
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
-        for pid, _ in stopped.values():
-            if not _gone(pid):
+        # every rank that wrote its pid, stopped or not: a launcher's kill leaves the ranks it spawned
+        # (Lightning's rank 1) running when the loop above failed before stopping one
+        pids = {pid for pid, _ in stopped.values()}
+        for out, _ in jobs.values():
+            pids |= {int(t) for m in out.glob("reached[0-9]") if (t := m.read_text()).isdigit()}
+        for pid in pids:
+            if not _gone(pid) and _is_job(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
