@@ -62,7 +62,7 @@ from _runs import provenance, run_demo, write_results
 
 from pace_strategy import testbed
 from pace_strategy.core.config import PacingConfig
-from pace_strategy.core.rebalance import best_split
+from pace_strategy.core.shares import best_split
 from pace_strategy.data.phases import SharePhase, share_phases
 from pace_strategy.telemetry import read_run_record
 

@@ -34,7 +34,6 @@ the imbalance under the kept split triggers a new proposal and a new trial again
 from __future__ import annotations
 
 import enum
-import heapq
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,10 +43,9 @@ import numpy as np
 import torch
 
 from pace_strategy.core.config import PacingConfig
-from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.policy import ab_gain_needed_ms, ab_noise_ms, next_cooldown_windows
 from pace_strategy.core.records import Field
-from pace_strategy.core.shares import even_shares
+from pace_strategy.core.shares import best_split, even_shares
 from pace_strategy.core.skew import usable_field, usable_steps
 from pace_strategy.core.state import STATE_VERSION, PacingStateError, check_state
 
@@ -199,129 +197,6 @@ def measure_window(
         # none on CPU: () (8,192 zeros, tested for a positive one in every proposal, cost 0.5 ms)
         mem_peak=tuple(peak.tolist()) if bool((peak > 0).any()) else (),
     )
-
-
-def best_split(
-    per_sample_ms: Sequence[float],
-    global_batch: int,
-    quantum: int,
-    max_share: float | None = None,
-    caps: Sequence[int | None] | None = None,
-) -> tuple[tuple[int, ...], float]:
-    """The split of ``global_batch`` in whole ``quantum``-sample units (each rank at least one) that
-    minimizes the slowest predicted compute ``per_sample_ms[r] * shares[r]``, and that compute (ms).
-    ``max_share``: no rank takes more quanta than fit in that multiple of the even share (the even
-    split always fits: the cap is at least the even share rounded up to a quantum). ``caps``: per
-    rank, the most samples it may take (``None``: no cap; :func:`memory_caps`), at least one quantum;
-    ``ValueError`` when together they cannot hold the global batch.
-
-    Greedy: each unit goes to the rank whose compute after taking it is smallest (optimal for a
-    min-max of linear loads); among equal loads, to the rank furthest below its share proportional
-    to speed, then the lowest rank, so every rank computes the same split. The remainder of the
-    global batch that no whole quantum holds goes where it adds least compute (the fastest rank).
-    """
-    world = len(per_sample_ms)
-    units, rest = divmod(global_batch, quantum)
-    if units < world:
-        raise PacingConfigError(
-            f"PacingConfig.rebalance.quantum={quantum} x {world} ranks is more than the global batch of "
-            f"{global_batch} samples: every rank needs at least one quantum. Lower rebalance.quantum "
-            f"to at most {global_batch // world}."
-        )
-    times = np.asarray(per_sample_ms, dtype=np.float64)
-    t = times.tolist()
-    # the speeds added in rank order, one after another (as Python's sum adds them: the tie-break's
-    # exact numbers; ``accumulate`` adds sequentially, where numpy's ``sum`` adds pairwise)
-    total_speed = float(np.add.accumulate(1.0 / times)[-1])
-    even_units = -(-units // world)  # the even share, rounded up to whole quanta
-    cap = units if max_share is None else max(even_units, int(max_share * global_batch / world) // quantum)
-    most = [c if c is not None else global_batch for c in caps] if caps else None  # samples
-    limit = (
-        np.full(world, max(1, min(cap, global_batch // quantum)), dtype=np.int64)
-        if most is None
-        else np.asarray([max(1, min(cap, c // quantum)) for c in most], dtype=np.int64)
-    )
-    if int(limit.sum()) < units:
-        raise ValueError(
-            f"the caps {list(caps or [])} do not hold {global_batch} samples in quanta of {quantum}"
-        )
-
-    def key(r: int, count: int) -> tuple[float, float, int]:
-        # units proportional to speed: how far below that share the rank is breaks ties
-        return (t[r] * (count + 1) * quantum, count - units * (1.0 / t[r]) / total_speed, r)
-
-    # The greedy pops the units - W smallest keys of all ranks (each rank's keys grow with its
-    # count). Every key whose compute is below a bound T precedes every other key, so the ranks'
-    # counts below a T that leaves at most units - W keys under it are taken at once (vectorized,
-    # with the keys' own arithmetic), and the heap hands out only the rest (0.1 s per window at
-    # 8,192 ranks as one pop per quantum). Only ranks whose next key is among the ``left`` smallest
-    # can be popped in ``left`` pops (until then one of those keys is still waiting, and it is
-    # smaller), so only they enter the heap. The same split.
-    count = _counts_below(times, limit, quantum, units - world)
-    left = units - int(count.sum())
-    if left:
-        open_ = np.flatnonzero(count < limit)  # a rank at its cap takes no more
-        nxt = times[open_] * (count[open_] + 1) * quantum
-        if len(open_) > left:
-            open_ = open_[nxt <= np.partition(nxt, left - 1)[left - 1]]
-        heap = [key(int(r), int(count[r])) for r in open_]
-        heapq.heapify(heap)
-        for _ in range(left):
-            r = heapq.heappop(heap)[2]
-            count[r] += 1
-            if count[r] < limit[r]:
-                heapq.heappush(heap, key(r, int(count[r])))
-    shares = count * quantum
-    if rest:
-        room = [i for i in range(world) if most is None or shares[i] + rest <= most[i]]
-        r = min(room or range(world), key=lambda i: (t[i] * int(shares[i] + rest), i))
-        shares[r] += rest
-    return tuple(shares.tolist()), float((times * shares).max())
-
-
-#: the bisection stops once at most this many keys are left to the heap
-_HEAP_KEYS = 16
-
-
-def _counts_below(times: np.ndarray, limit: np.ndarray, quantum: int, extra: int) -> np.ndarray:
-    """Each rank's count (at least 1, at most its limit) once every key ``t[r] * (count + 1) *
-    quantum`` below a bound that leaves at most ``extra`` such keys has been taken: the bound a
-    short bisection reaches from the keys' continuous estimate (any such bound gives the same
-    split; the closer it comes to the largest, the fewer keys the heap hands out after it)."""
-    most = limit - 1  # keys a rank has: counts 1 .. limit - 1
-
-    def taken(bound: float) -> np.ndarray:
-        # keys c = 1 .. most with t * (c + 1) * quantum < bound, counted with the key's own rounding
-        guess = np.clip(np.floor(bound / (times * quantum)) - 1, 0, most).astype(np.int64)
-        for _ in range(2):  # the division's rounding: move the guess to the exact boundary
-            over = (guess > 0) & ~(times * (guess + 1) * quantum < bound)
-            guess = np.where(over, guess - 1, guess)
-            under = (guess < most) & (times * (guess + 2) * quantum < bound)
-            guess = np.where(under, guess + 1, guess)
-        return guess
-
-    lo, hi = 0.0, float(np.max(times * (most + 1) * quantum)) + 1.0
-    # Without caps, a rank has about bound / (t * quantum) - 1 keys below a bound: start the bracket
-    # at the bound where those add up to ``extra`` (within a key per rank), widened until it holds
-    # the answer; caps only make the bracket's first guesses wrong, not the result.
-    rate = float(np.sum(1.0 / (times * quantum)))
-    width = 2.0 * len(times) / rate
-    start = (extra + len(times)) / rate - width
-    below = 0
-    if start > 0.0 and (n := int(taken(start).sum())) <= extra:
-        lo, below = start, n
-        while lo + width < hi and (n := int(taken(lo + width).sum())) <= extra:
-            lo, below, width = lo + width, n, 2.0 * width
-        hi = min(hi, lo + width)
-    for _ in range(64):  # bisect towards the largest bound with at most ``extra`` keys below it
-        mid = (lo + hi) / 2
-        if extra - below <= _HEAP_KEYS or not lo < mid < hi:
-            break
-        if (n := int(taken(mid).sum())) <= extra:
-            lo, below = mid, n
-        else:
-            hi = mid
-    return 1 + taken(lo)
 
 
 def first_boundary(window_last_step: int, every_steps: int, not_before: int) -> int:

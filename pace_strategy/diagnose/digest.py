@@ -109,6 +109,17 @@ class RunDigest:
     gc: GcDigest | None  #: None: not recorded in every step
     compute_mean: np.ndarray  #: [W] each rank's mean compute over the run, ms
     compute_std: np.ndarray  #: [W] its standard deviation, ms
+    #: [W] the steps in which each rank arrived later than the step's median arrival by at least the
+    #: noise threshold (:func:`noise_ms`): a rank slower than the bulk is late in most steps, whichever
+    #: rank of a slow group is the last one
+    late_count: np.ndarray
+    late_sum: np.ndarray  #: [W] each rank's lateness against the step's median arrival, summed, ms
+    #: the ranks' lateness against each step's median arrival (ms; early ranks negative) per
+    #: :attr:`heat` row and column (a node's mean above ``max_heatmap_rows`` ranks), in rank or node
+    #: order (:attr:`late_labels`): where a straggler episode starts and ends
+    late_bins: np.ndarray
+    late_labels: list[list[int]]  #: each column's ranks
+    late_edges: np.ndarray  #: the steps' indices where each row of :attr:`late_bins` starts, then ``S``
     floor: JitterFloor  #: the run's noise floor, from the waits of the steps of :func:`floor_rows`
     growth_wait: np.ndarray  #: the waits of the growth curve's steps, in the order drawn
     #: the projection's calibration steps, whole (``sample_steps(S, projection_calibration_steps)``)
@@ -235,6 +246,9 @@ def digest_run(a: RunLines, cfg: DiagnosisConfig, *, use_opt: bool = True) -> Ru
     sample = _Rows(sample_steps(S, cfg.projection_calibration_steps))
     order, groups, heat_labels = _heat_layout(a, cfg)
     heat = _Bins(S, cfg.max_heatmap_columns)
+    late_bins = _Bins(S, cfg.max_heatmap_columns)
+    late_groups = [[r] for r in range(W)] if groups is None else groups
+    late_count, late_sum = np.zeros(W, dtype=np.int64), np.zeros(W)
     pauses: list[np.ndarray] = []
     longest, collections = 0.0, 0.0
     # the compute's per-rank mean and sum of squared deviations, merged block by block
@@ -304,6 +318,14 @@ def digest_run(a: RunLines, cfg: DiagnosisConfig, *, use_opt: bool = True) -> Ru
             heat.add((w - transfer[:, None])[:, order])
         else:
             heat.add(np.stack([(w[:, g] - transfer[:, None]).mean(axis=1) for g in groups], axis=1))
+        # lateness against the step's median arrival: the median wait minus the rank's wait
+        lateness = per_step["median_wait"][at][:, None] - w
+        late_count += (lateness >= noise).sum(axis=0)
+        late_sum += lateness.sum(axis=0)
+        if groups is None:
+            late_bins.add(lateness)
+        else:
+            late_bins.add(np.stack([lateness[:, g].mean(axis=1) for g in late_groups], axis=1))
         c = block["compute"]
         block_mean = c.mean(axis=0)
         deviation = c - block_mean
@@ -364,6 +386,11 @@ def digest_run(a: RunLines, cfg: DiagnosisConfig, *, use_opt: bool = True) -> Ru
         else None,
         compute_mean=mean,
         compute_std=np.sqrt(m2 / max(count, 1)),
+        late_count=late_count,
+        late_sum=late_sum,
+        late_bins=late_bins.result(len(late_groups)),
+        late_labels=late_groups,
+        late_edges=late_bins.edges if late_bins.edges is not None else np.arange(S + 1),
         # the floor's sampled waits are its own: reduced in place (1.3 GB at 20,000 x 8,192)
         floor=jitter_floor(floor.values.get("wait", np.zeros((0, W))), a.step_ms, overwrite_input=True),
         growth_wait=growth.values.get("wait", np.zeros((0, W))),

@@ -29,6 +29,7 @@ from pace_strategy.diagnose.run_stats import (
     UNEXPLAINED_CONFIDENCE,
     RunStats,
 )
+from pace_strategy.diagnose.slow_groups import slow_group, straggler_episode
 from pace_strategy.telemetry.arrays import RunLines, timeline_notes
 from pace_strategy.telemetry.run_record import arrival_of, hang_text
 
@@ -152,6 +153,10 @@ def diagnose_run(
         # straggler's lateness is not GC time, so it stays theirs.
         gc_pauses,
         locality,
+        # several slow ranks taking turns being last, then a rank or ranks slow for a stretch, before
+        # the one-rank check: neither is last in most steps, and whole-run shares drown a stretch
+        slow_group,
+        straggler_episode,
         persistent_or_late_start,
         host_oversubscription,
         fabric_contention,

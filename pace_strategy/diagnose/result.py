@@ -14,6 +14,7 @@ class Mode(str, enum.Enum):
     """The failure modes a diagnosis names; the values are the strings of ``--json`` and the docs."""
 
     PERSISTENT_STRAGGLER = "persistent_straggler"
+    STRAGGLER_EPISODE = "straggler_episode"
     LOCALITY = "locality"
     SYNC_AMPLIFICATION = "sync_amplification"
     FABRIC_CONTENTION = "fabric_contention"
@@ -47,6 +48,9 @@ class Finding:
     #: share of step time the run's own jitter explains over the steps this finding covers; a finding
     #: is worth acting on when ``lost_step_fraction - noise_floor_fraction >= healthy_lost_fraction``
     noise_floor_fraction: float = 0.0
+    #: share of the run's step time the finding covers (a straggler episode: its stretches); it is worth
+    #: acting on by its excess over that part of the run, not over the whole
+    scope_fraction: float = 1.0
     #: what the projection simulates: the job's whole ``waiting``, what the named ``ranks`` cost, or the
     #: collective's time (``transfer``, or its part above its best case, ``transfer_variable``)
     projection_basis: Literal["waiting", "ranks", "transfer", "transfer_variable"] = "waiting"
@@ -61,6 +65,11 @@ class Finding:
     def excess_fraction(self) -> float:
         """Lost share beyond what the run's own jitter explains: what acting on it could save."""
         return self.lost_step_fraction - self.noise_floor_fraction
+
+    @property
+    def scope_excess_fraction(self) -> float:
+        """:attr:`excess_fraction` over the part of the run the finding covers."""
+        return self.excess_fraction / max(self.scope_fraction, 1e-9)
 
 
 @dataclass(frozen=True)

@@ -167,7 +167,8 @@ class RunStats:
     def worth_acting_on(self, f: Finding) -> bool:
         # A crowded host is read from the header, not inferred from the timings: it is reported whatever
         # the waiting costs, since the time-slicing slows every rank's compute too.
-        return f.mode is Mode.HOST_OVERSUBSCRIPTION or f.excess_fraction >= self.cfg.healthy_lost_fraction
+        crowded = f.mode is Mode.HOST_OVERSUBSCRIPTION
+        return crowded or f.scope_excess_fraction >= self.cfg.healthy_lost_fraction
 
     def hosts_of(self, ranks: list[int]) -> list[str]:
         return sorted({self.hosts[r] for r in ranks})

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pace_strategy.core.rebalance import best_split
+from pace_strategy.core.shares import best_split
 
 
 def reference_split(
