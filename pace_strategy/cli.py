@@ -1,5 +1,5 @@
-"""The ``pace`` command: dispatches ``demo``, ``diagnose``, ``simulate``, ``launch``, ``testbed`` and
-``convert`` to the module that owns each, imported only when that command runs (``pace --help``
+"""The ``pace`` command: dispatches ``demo``, ``diagnose``, ``simulate``, ``launch``, ``testbed``,
+``import`` and ``convert`` to the module that owns each, imported only when that command runs (``pace --help``
 imports none)."""
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "accelerate launch with a pacing_config: section",
     ),
     "testbed": ("pace_strategy.testbed.command", "emulated two-rack cluster in network namespaces (root)"),
+    "import": (
+        "pace_strategy.telemetry.import_table",
+        "turn a per-rank step table recorded elsewhere into a run record",
+    ),
     "convert": (
         "pace_strategy.telemetry.convert",
         "rewrite a run record as JSON lines or with Arrow columns",

@@ -126,6 +126,15 @@ def diagnose_run(
             "of its backward counts as waiting here; a rank slow in backward looks on time in it"
         )
     notes += timeline_notes(a)
+    imported = a.header.get("imported")
+    if imported:
+        how = (
+            "the waits follow from the synchronous model (each rank waits for the slowest rank's compute, "
+            "plus the collective's time where the table gives it)"
+            if imported.get("waits") == "synchronous_model"
+            else "the waits are the table's"
+        )
+        notes.append(f"imported from {imported.get('source')} ({imported.get('format')}): {how}")
     notes += [f"hang: {hang_text(h)}" for h in a.hangs]
     if a.hangs:
         notes += hang_evidence_notes(a.path)

@@ -1,0 +1,172 @@
+"""``pace import table``: per-rank step tables recorded elsewhere become run records that ``pace diagnose``
+reads unchanged; bad tables fail naming the file, row and column, with nothing written."""
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pace_strategy.cli import main as pace
+from pace_strategy.diagnose import diagnose, load_arrays
+from pace_strategy.telemetry.import_table import TableImportError, import_table
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+def write_csv(path, columns, rows):
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(columns)
+        w.writerows(rows)
+    return path
+
+
+def worker_table(path, compute, hosts=None):
+    """One row per worker and iteration, the worker's mini-batch time as compute_ms (rank-major, as a
+    per-worker export lists them)."""
+    steps, world = compute.shape
+    rows = [
+        [r, s, f"{compute[s, r]:.3f}", *([hosts[r]] if hosts else [])]
+        for r in range(world)
+        for s in range(steps)
+    ]
+    return write_csv(path, ["rank", "step", "compute_ms", *(["host"] if hosts else [])], rows)
+
+
+def diagnosed(tmp_path, table):
+    out = tmp_path / "run"
+    assert pace(["import", "table", str(table), str(out)]) == 0
+    return diagnose(load_arrays(out), project_ranks=None)
+
+
+def test_a_slow_group_in_an_imported_worker_table_is_named(tmp_path):
+    # gamma-distributed mini-batch times (not the log-normal the rules were checked on), three of
+    # ten workers 9% slower, each on its own host
+    rng = np.random.default_rng(42)
+    compute = rng.gamma(400.0, 0.25, (297, 10))  # ~100 ms, sd 5%
+    compute[:, [1, 4, 8]] *= 1.09
+    d = diagnosed(tmp_path, worker_table(tmp_path / "t.csv", compute, hosts=[f"n{r}" for r in range(10)]))
+    top = d.findings[0]
+    assert top.mode == "persistent_straggler" and top.ranks == [1, 4, 8], d.summary
+    assert any("synchronous model" in n for n in d.notes)
+    truth = float((compute.max(axis=1) - np.delete(compute, [1, 4, 8], axis=1).max(axis=1)).sum())
+    assert abs(top.lost_step_fraction - truth / float(compute.max(axis=1).sum())) < 0.05
+
+
+def test_an_episode_in_an_imported_table_is_named_with_its_steps(tmp_path):
+    rng = np.random.default_rng(43)
+    compute = rng.gamma(400.0, 0.25, (3000, 16))
+    compute[1700:1830, 9] *= 1.35
+    d = diagnosed(tmp_path, worker_table(tmp_path / "t.csv", compute))
+    top = d.findings[0]
+    assert top.mode == "straggler_episode" and top.ranks == [9], d.summary
+    first, last = top.details["episodes"][0]["steps"]
+    assert abs(first - 1700) <= 6 and abs(last - 1829) <= 6
+
+
+def test_a_real_record_exported_as_a_table_diagnoses_the_same(tmp_path):
+    """A record of a real 4-rank run here, written out as a table with its waits, read back."""
+    shutil.copy(FIXTURES / "run4_transient.jsonl", tmp_path / "pace_run.jsonl")
+    a = load_arrays(tmp_path)
+    rows = [
+        [r, int(a.step[i]), a.compute[i, r], a.wait[i, r], a.data[i, r], a.step_ms[i]]
+        for i in range(a.steps)
+        for r in range(a.world_size)
+    ]
+    table = write_csv(
+        tmp_path / "real.csv", ["rank", "step", "compute_ms", "wait_ms", "data_ms", "step_ms"], rows
+    )
+    out = tmp_path / "imported"
+    import_table(table, out)
+    b = load_arrays(out)
+    np.testing.assert_allclose(b.wait, a.wait, atol=1e-3)
+    np.testing.assert_allclose(b.compute, a.compute, atol=1e-3)
+    assert b.header["imported"]["waits"] == "recorded"
+    before, after = diagnose(a, project_ranks=None), diagnose(b, project_ranks=None)
+    # the hosts' threads and cores are the record's header, which a table does not carry: the crowded
+    # host is the one finding read from it rather than from the timings (and, absent, leaves its share
+    # of the waiting to the transient stragglers beside it)
+    crowded = "host_oversubscription"
+    assert crowded in [f.mode for f in before.findings]
+    kept = [(f.mode, f.ranks) for f in before.findings if f.mode != crowded]
+    assert [(f.mode, f.ranks) for f in after.findings] == kept
+    assert before.stats["lost_step_fraction"] == pytest.approx(after.stats["lost_step_fraction"], abs=1e-4)
+
+
+def test_parquet_with_mesh_coordinates_lands_in_the_topology(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    steps, world = 50, 4
+    rank = np.tile(np.arange(world), steps)
+    step = np.repeat(np.arange(steps), world)
+    table = pa.table(
+        {
+            "rank": rank,
+            "step": step,
+            "step_ms": 100.0 + (rank == 3) * 20.0,
+            "samples": np.full(steps * world, 8),
+            "pp": rank % 2,
+            "dp": rank // 2,
+        }
+    )
+    pq.write_table(table, tmp_path / "t.parquet")
+    import_table(tmp_path / "t.parquet", tmp_path / "run")
+    a = load_arrays(tmp_path / "run")
+    assert a.topology("pp") == [0, 1, 0, 1] and a.topology("dp") == [0, 0, 1, 1]
+    assert a.samples is not None and (a.samples == 8).all()
+    # a worker's own iteration time with no waits in it is its compute; rank 3 is 20 ms slower
+    np.testing.assert_allclose(a.wait[:, 0], 20.0) and np.testing.assert_allclose(a.wait[:, 3], 0.0)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("rank,step,compute\n0,0,1\n", r"unknown column 'compute'. Did you mean 'compute_ms'\?"),
+        ("rank,step,data_ms\n0,0,1\n", "at least one of the columns compute_ms, wait_ms, step_ms"),
+        ("rank,compute_ms\n0,1\n", "no 'step' column"),
+        ("rank,step,compute_ms\n0,0,1\n1,0,fast\n", r"line 3: column 'compute_ms': expected a finite number"),
+        ("rank,step,compute_ms\n0,0,1\n0,0,2\n", "line 3: rank 0 step 0 appears twice"),
+        ("rank,step,compute_ms\n0,0,1\n2,0,1\n", "rank 1 has no row"),
+        ("rank,step,compute_ms\n0,0,1\n1,0,1\n0,1,1\n", "step 1 has no row for rank 1"),
+        ("rank,step,compute_ms\n0,0,1\n1,0,\n", "line 3: column 'compute_ms' is empty"),
+        ("rank,step,compute_ms\n0,0,1\n1.5,0,1\n", "line 3: column 'rank': expected a whole number"),
+        ("rank,step,compute_ms\n0,0,1,9\n", "line 2: 4 fields for 3 columns"),
+        (
+            "rank,step,compute_ms,host\n0,0,1,a\n0,1,1,b\n",
+            "line 3: column 'host': rank 0 is 'b' here and 'a' at line 2",
+        ),
+    ],
+)
+def test_a_bad_table_names_its_row_and_column_and_writes_nothing(tmp_path, capsys, text, message):
+    table = tmp_path / "bad.csv"
+    table.write_text(text)
+    with pytest.raises(TableImportError, match=message) as e:
+        import_table(table, tmp_path / "run")
+    assert str(table) in str(e.value)
+    assert pace(["import", "table", str(table), str(tmp_path / "run")]) == 2
+    assert "pace import:" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.csv"]  # no record, no staging left
+
+
+def test_an_existing_output_directory_is_refused(tmp_path):
+    table = write_csv(tmp_path / "t.csv", ["rank", "step", "compute_ms"], [[0, 0, 1], [1, 0, 2]])
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "keep.txt").write_text("mine")
+    with pytest.raises(TableImportError, match="not an empty directory"):
+        import_table(table, tmp_path / "run")
+    assert (tmp_path / "run" / "keep.txt").read_text() == "mine"
+
+
+def test_the_record_is_valid_json_lines_with_the_import_in_its_header(tmp_path):
+    table = write_csv(
+        tmp_path / "t.csv",
+        ["rank", "step", "compute_ms"],
+        [[r, s, 10 + r] for s in range(3) for r in range(2)],
+    )
+    path = import_table(table, tmp_path / "run")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [x["record"] for x in lines] == ["header", "step", "step", "step", "end"]
+    assert lines[0]["imported"]["waits"] == "synchronous_model" and lines[-1]["status"] == "completed"
