@@ -16,6 +16,7 @@ class Mode(str, enum.Enum):
     PERSISTENT_STRAGGLER = "persistent_straggler"
     STRAGGLER_EPISODE = "straggler_episode"
     LOCALITY = "locality"
+    STAGE_IMBALANCE = "stage_imbalance"
     SYNC_AMPLIFICATION = "sync_amplification"
     FABRIC_CONTENTION = "fabric_contention"
     DATA_STALL = "data_stall"

@@ -18,7 +18,16 @@ from pace_strategy.diagnose.noise import expected_max_normal
 from pace_strategy.diagnose.result import Finding, Mode, pct
 from pace_strategy.diagnose.run_stats import EPSILON, MIN_RANKS, RunStats
 
-__all__ = ["SHARED_KEYS", "Episode", "episodes", "shared_placement", "slow_group", "straggler_episode"]
+__all__ = [
+    "MESH_KEYS",
+    "SHARED_KEYS",
+    "Episode",
+    "episodes",
+    "mesh_of",
+    "shared_placement",
+    "slow_group",
+    "straggler_episode",
+]
 
 #: topology fields a slow group may share (a host, a node, a GPU model, one physical GPU, a NUMA
 #: node, a CPU quota or affinity, a mesh coordinate); each is compared where the record has it
@@ -109,24 +118,91 @@ def _recovery(run: RunStats, group: list[int]) -> _Recovery:
     return _Recovery(exclude, throughput, max(0.0, rebalance), split)
 
 
+#: the mesh dimensions a record's topology may give each rank (absent dimensions omitted)
+MESH_KEYS = ("dp_replicate", "dp_shard", "dp", "tp", "pp", "cp")
+
+
+def mesh_of(run: RunStats) -> dict[str, list[Any]]:
+    """The run's mesh coordinates per dimension (``{key: [per rank]}``), where every rank has one."""
+    out = {}
+    for key in MESH_KEYS:
+        values = run.a.topology(key)
+        if all(v is not None for v in values):
+            out[key] = values
+    return out
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """What a slow group is in the mesh: a pipeline stage, one tensor-parallel group, the same
+    coordinate in every replica, or ranks with nothing of the mesh in common."""
+
+    mode: Mode
+    what: str  #: the evidence's opening words
+    key: str | None = None  #: the mesh dimension it follows
+    value: Any = None
+
+
+def _kind(run: RunStats, members: list[int]) -> _Kind | None:
+    """The group's kind; ``None`` for a single rank that is not a whole pipeline stage (the one-rank
+    check's)."""
+    mesh = mesh_of(run)
+    group = set(members)
+
+    def whole(key: str) -> Any:
+        """The value of ``key`` the members share when they are every rank with it, else None."""
+        values = {str(mesh[key][r]) for r in members}
+        if len(values) != 1:
+            return None
+        value = mesh[key][members[0]]
+        return value if {r for r in range(run.W) if mesh[key][r] == value} == group else None
+
+    if "pp" in mesh and (stage := whole("pp")) is not None:
+        return _Kind(Mode.STAGE_IMBALANCE, f"pipeline stage {stage} (ranks {_names(members)})", "pp", stage)
+    if len(members) < 2:
+        return None
+    if "tp" in mesh and len(members) == len({str(v) for v in mesh["tp"]}):
+        rest = [k for k in mesh if k != "tp"]
+        if len({tuple(str(mesh[k][r]) for k in rest) for r in members}) == 1:
+            where = ", ".join(f"{k} {mesh[k][members[0]]}" for k in rest)
+            return _Kind(
+                Mode.PERSISTENT_STRAGGLER,
+                f"the tensor-parallel group {'at ' + where + ' ' if where else ''}(ranks {_names(members)}), "
+                "which arrives as one worker,",
+                "tp",
+            )
+    for key in ("dp_shard", "tp", "cp"):
+        if key in mesh and (value := whole(key)) is not None:
+            return _Kind(Mode.LOCALITY, f"{key} coordinate {value} in every replica", key, value)
+    return _Kind(Mode.PERSISTENT_STRAGGLER, f"a group of {len(members)} of {run.W} ranks")
+
+
+def _names(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
 def slow_group(run: RunStats, explained: set[int]) -> list[Finding]:
     """Two or more ranks (at most half the world) each later than the step's median arrival by at least
-    the noise threshold in at least ``persistent_share`` of steps, by their own compute: one
-    ``persistent_straggler`` finding naming them all. One such rank is left to the one-rank check."""
+    the noise threshold in at least ``persistent_share`` of steps, by their own compute: one finding
+    naming them all, by what they are in the mesh (:func:`_kind`): ``stage_imbalance`` for every rank
+    of a pipeline stage (one rank too, where the stage has one), ``locality`` for one coordinate in
+    every replica, else ``persistent_straggler`` (a tensor-parallel group said as such). One such rank
+    otherwise is left to the one-rank check."""
     cfg, a = run.cfg, run.a
-    if run.W < 2 * MIN_RANKS:
+    if run.W < MIN_RANKS:
         return []
     late_share = run.digest.late_count / max(run.S, 1)
     mean_late = run.digest.late_sum / max(run.S, 1)
     compute = run.digest.compute_mean
     slow = [r for r in range(run.W) if r not in explained and late_share[r] >= cfg.persistent_share]
-    if not 2 <= len(slow) <= run.W // 2:
+    if not 1 <= len(slow) <= run.W // 2:
         return []
     bulk_compute = float(np.median(np.delete(compute, slow)))
     # slow by their own compute: a rank that is late only because it started late (a slower
     # network path) is left to the one-rank check, which says so
     members = [r for r in slow if compute[r] - bulk_compute >= cfg.compute_late_fraction * mean_late[r]]
-    if len(members) < 2:
+    kind = _kind(run, members) if members else None
+    if kind is None:
         return []
     mask = np.isin(run.straggler, members)
     recovery = _recovery(run, members)
@@ -156,44 +232,98 @@ def slow_group(run: RunStats, explained: set[int]) -> list[Finding]:
         * (expected_max_normal(run.W) - expected_max_normal(run.W - len(members)))
         / max(float(a.step_ms.mean()), EPSILON)
     )
+    details: dict[str, Any] = {
+        "group": per_rank,
+        "shared": shared,
+        "differ": differ,
+        "waiting_fraction": run.lost_when(mask),
+        "mesh_key": kind.key,
+    }
+    cost = (
+        f"{'their' if len(members) > 1 else 'its'} slowness adds {pct(recovery.exclude_step_fraction)} "
+        f"to the step, the others losing {pct(run.lost_when(mask))} of it waiting"
+    )
+    if kind.mode is Mode.STAGE_IMBALANCE:
+        stages = _stage_compute(run)
+        mean_stage = float(np.mean(list(stages.values())))
+        repartition = (stages[kind.value] - mean_stage) / max(run.median_step, EPSILON)
+        details.update(
+            stage=kind.value,
+            stage_compute_ms={str(k): v for k, v in stages.items()},
+            recovery_repartition_fraction=max(0.0, repartition),
+        )
+        evidence = (
+            f"{kind.what} computes {stages[kind.value]:.1f} ms per step against "
+            f"{_stage_text(stages, kind.value)} for the other stages, in every replica: every other stage "
+            f"waits for it (the pipeline's bubble; {cost}); waits in pipeline receives are waiting behind "
+            "this stage, not the network"
+        )
+        action = (
+            "repartition the layers across the stages: move layers off this stage (the stage with the "
+            "loss and the output layer is the usual one, its vocabulary projection the usual excess); "
+            f"balanced stages ({mean_stage:.1f} ms each) would recover about {pct(max(0.0, repartition))} "
+            "of the step; pacing or rebalancing within the data-parallel group cannot"
+        )
+    else:
+        details.update(
+            recovery_rebalance_fraction=recovery.rebalance_step_fraction,
+            rebalance_samples=recovery.rebalance_samples,
+            recovery_exclude_fraction=recovery.exclude_step_fraction,
+            exclude_throughput_ratio=recovery.exclude_throughput,
+        )
+        slowest = max(members, key=lambda r: compute[r])
+        inside = (
+            f"; its slowest member by compute is rank {slowest}"
+            if kind.key == "tp" and compute[slowest] - float(np.median(compute[members])) >= run.noise_ms()
+            else ""
+        )
+        evidence = (
+            f"{kind.what} slower than the bulk in most steps"
+            + (
+                f", taking turns being last (together last in {pct(float(mask.mean()))} of {run.S:,} steps; "
+                if len(members) > 1
+                else " ("
+            )
+            + f"{cost}); compute against the others' median {bulk_compute:.1f} ms: {excess}{inside}; "
+            f"{_placement_text(shared, differ)}"
+        )
+        action = (
+            "these ranks' own work is slow; pacing cannot shorten their steps. Rebalancing "
+            f"(PacingConfig(rebalance=True)) would recover about {pct(recovery.rebalance_step_fraction)} "
+            f"of the step{split}; running without them (excluding their hosts at the next launch) "
+            f"would shorten the step by {pct(recovery.exclude_step_fraction)}, "
+            f"{recovery.exclude_throughput - 1:+.0%} samples/s with {run.W - len(members)} ranks"
+            + (f"; look first at what they share ({', '.join(shared)})" if shared else "")
+        )
     explained.update(members)
     return [
         Finding(
-            mode=Mode.PERSISTENT_STRAGGLER,
+            mode=kind.mode,
             ranks=members,
             hosts=run.hosts_of(members),
             confidence=float(np.mean([late_share[r] for r in members])),
             lost_step_fraction=recovery.exclude_step_fraction,
             noise_floor_fraction=jitter,
             projection_basis="ranks",
-            evidence=(
-                f"a group of {len(members)} of {run.W} ranks is slower than the bulk in most steps and "
-                f"takes turns being last (together last in {pct(float(mask.mean()))} of {run.S:,} steps; "
-                f"their slowness adds {pct(recovery.exclude_step_fraction)} to the step, the others "
-                f"losing {pct(run.lost_when(mask))} of it waiting); "
-                f"compute against the others' median {bulk_compute:.1f} ms: {excess}; "
-                f"{_placement_text(shared, differ)}"
-            ),
-            action=(
-                "these ranks' own work is slow; pacing cannot shorten their steps. Rebalancing "
-                f"(PacingConfig(rebalance=True)) would recover about {pct(recovery.rebalance_step_fraction)} "
-                f"of the step{split}; running without them (excluding their hosts at the next launch) "
-                f"would shorten the step by {pct(recovery.exclude_step_fraction)}, "
-                f"{recovery.exclude_throughput - 1:+.0%} samples/s with {run.W - len(members)} ranks"
-                + (f"; look first at what they share ({', '.join(shared)})" if shared else "")
-            ),
-            details={
-                "group": per_rank,
-                "shared": shared,
-                "differ": differ,
-                "recovery_rebalance_fraction": recovery.rebalance_step_fraction,
-                "rebalance_samples": recovery.rebalance_samples,
-                "recovery_exclude_fraction": recovery.exclude_step_fraction,
-                "waiting_fraction": run.lost_when(mask),
-                "exclude_throughput_ratio": recovery.exclude_throughput,
-            },
+            evidence=evidence,
+            action=action,
+            details=details,
         )
     ]
+
+
+def _stage_compute(run: RunStats) -> dict[Any, float]:
+    """Each pipeline stage's compute per step, ms: the median over its ranks of their mean compute."""
+    pp = mesh_of(run)["pp"]
+    compute = run.digest.compute_mean
+    stages: dict[Any, list[float]] = {}
+    for r, stage in enumerate(pp):
+        stages.setdefault(stage, []).append(float(compute[r]))
+    return {k: float(np.median(v)) for k, v in sorted(stages.items(), key=lambda kv: str(kv[0]))}
+
+
+def _stage_text(stages: dict[Any, float], slow: Any) -> str:
+    return ", ".join(f"{v:.1f}" for k, v in stages.items() if k != slow) + " ms"
 
 
 #: the chance that a rank's late bins line up into a stretch as long as an episode's by accident,

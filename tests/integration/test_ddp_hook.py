@@ -318,8 +318,12 @@ def test_a_rank_slow_late_in_backward_arrives_late_by_its_delay_under_both_monit
     for monitor, g in run.items():
         lead = (g["WAIT_MS"][0] - g["WAIT_MS"][1]).median().item()  # rank 0 waits for rank 1
         late = (g["COMPUTE_MS"][1] - g["COMPUTE_MS"][0]).median().item()  # rank 1's own compute
-        assert abs(lead - BACKWARD_DELAY_MS) <= 0.1 * BACKWARD_DELAY_MS, (monitor, lead, g["WAIT_MS"])
-        assert abs(late - BACKWARD_DELAY_MS) <= 0.1 * BACKWARD_DELAY_MS, (monitor, late, g["COMPUTE_MS"])
+        # A sleep is never shorter than asked and overshoots under load (22.8 ms for 20 in a loaded
+        # run): both signals see at least the injection, at most twice it (a first-gradient arrival
+        # would see ~0), and agree with each other, since they measure the same sleep.
+        for name, value in (("lead", lead), ("late", late)):
+            assert 0.9 * BACKWARD_DELAY_MS <= value <= 2 * BACKWARD_DELAY_MS, (monitor, name, value, g)
+        assert abs(lead - late) <= 0.1 * BACKWARD_DELAY_MS, (monitor, lead, late)
         # the transfer time (the smallest wait) holds no backward compute
         assert g["WAIT_MS"][1].median().item() < 0.5 * BACKWARD_DELAY_MS, (monitor, g["WAIT_MS"])
     assert run["comm_hook"]["BUCKETS"].min().item() >= 2  # the first and the last bucket differ

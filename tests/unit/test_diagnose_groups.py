@@ -58,7 +58,7 @@ def test_a_slow_group_is_one_finding_naming_every_member(world, slow, factor, se
     assert abs(top.lost_step_fraction - added(c, base)) < 0.05, (top.lost_step_fraction, added(c, base))
     assert [g["rank"] for g in top.details["group"]] == slow
     assert top.details["recovery_rebalance_fraction"] > 0 and top.details["recovery_exclude_fraction"] > 0
-    assert "takes turns being last" in top.evidence and "rebalanc" in top.action
+    assert "taking turns being last" in top.evidence and "rebalanc" in top.action
 
 
 def test_a_slow_group_says_what_its_members_share():
@@ -131,3 +131,67 @@ def test_clean_runs_raise_no_group_or_episode(seed):
     d = diagnose(arrays(c), project_ranks=None)
     assert [f.mode for f in d.findings] == ["healthy"], d.summary
     assert not any("straggler_episode" in n or "persistent_straggler" in n for n in d.notes)
+
+
+def with_mesh(a, **coords):
+    """``a`` with each rank's mesh coordinates (``key=[per rank]``) in its topology."""
+    for t in a.header["topology"]:
+        for key, values in coords.items():
+            t[key] = values[t["rank"]]
+    return a
+
+
+def test_a_pipeline_stage_slower_in_every_replica_is_stage_imbalance():
+    # data x pipeline: 2 replicas x 4 stages, the last stage (loss and output layer) 30% more work
+    rng = np.random.default_rng(11)
+    base = jittered(rng, 400, 8)
+    c = base.copy()
+    c[:, [3, 7]] *= 1.3
+    a = with_mesh(arrays(c), pp=[r % 4 for r in range(8)], dp=[r // 4 for r in range(8)])
+    top = diagnose(a, project_ranks=None).findings[0]
+    assert top.mode == "stage_imbalance" and top.ranks == [3, 7], top.evidence
+    assert top.details["stage"] == 3 and "repartition" in top.action
+    assert "not the network" in top.evidence
+    assert abs(top.lost_step_fraction - added(c, base)) < 0.05
+    # balanced stages: (1.3 - 1.075) x 200 ms of a ~270 ms step
+    assert 0.1 < top.details["recovery_repartition_fraction"] < 0.25
+
+
+def test_one_stage_of_a_pipeline_without_replicas_is_stage_imbalance():
+    rng = np.random.default_rng(12)
+    c = jittered(rng, 300, 4)
+    c[:, 2] *= 1.25
+    top = diagnose(with_mesh(arrays(c), pp=[0, 1, 2, 3]), project_ranks=None).findings[0]
+    assert top.mode == "stage_imbalance" and top.ranks == [2]
+
+
+def test_one_slow_worker_of_a_data_x_pipeline_job_is_named_with_its_cost():
+    rng = np.random.default_rng(13)
+    base = jittered(rng, 400, 16)
+    c = base.copy()
+    c[:, 9] *= 1.35
+    a = with_mesh(arrays(c), pp=[r % 4 for r in range(16)], dp=[r // 4 for r in range(16)])
+    top = diagnose(a, project_ranks=None).findings[0]
+    assert top.mode == "persistent_straggler" and top.ranks == [9]
+    assert abs(top.lost_step_fraction - truth(c, base)) < 0.05
+
+
+def test_a_slow_tensor_parallel_group_is_named_as_one_worker():
+    rng = np.random.default_rng(14)
+    c = jittered(rng, 300, 8)
+    c[:, [4, 5]] *= 1.2  # both members wait for each other inside forward and backward
+    a = with_mesh(arrays(c), tp=[r % 2 for r in range(8)], dp=[r // 2 for r in range(8)])
+    top = diagnose(a, project_ranks=None).findings[0]
+    assert top.mode == "persistent_straggler" and top.ranks == [4, 5]
+    assert "tensor-parallel group at dp 2" in top.evidence and top.details["mesh_key"] == "tp"
+
+
+def test_the_same_shard_slow_in_every_replica_is_locality_by_mesh_coordinate():
+    # HSDP: 2 replicas x 4 shards; shard 1 slow in both
+    rng = np.random.default_rng(15)
+    c = jittered(rng, 300, 8)
+    c[:, [1, 5]] *= 1.2
+    a = with_mesh(arrays(c), dp_replicate=[r // 4 for r in range(8)], dp_shard=[r % 4 for r in range(8)])
+    top = diagnose(a, project_ranks=None).findings[0]
+    assert top.mode == "locality" and top.ranks == [1, 5], top.evidence
+    assert top.details["mesh_key"] == "dp_shard" and "dp_shard coordinate 1 in every replica" in top.evidence
