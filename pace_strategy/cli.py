@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "testbed": ("pace_strategy.testbed.command", "emulated two-rack cluster in network namespaces (root)"),
     "import": (
-        "pace_strategy.telemetry.import_table",
+        "pace_strategy.telemetry.importer",
         "turn a per-rank step table recorded elsewhere into a run record",
     ),
     "convert": (

@@ -11,7 +11,7 @@ import pytest
 
 from pace_strategy.cli import main as pace
 from pace_strategy.diagnose import diagnose, load_arrays
-from pace_strategy.telemetry.import_table import TableImportError, import_table
+from pace_strategy.telemetry.importer import TableImportError, import_ops, import_table
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
@@ -170,3 +170,76 @@ def test_the_record_is_valid_json_lines_with_the_import_in_its_header(tmp_path):
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [x["record"] for x in lines] == ["header", "step", "step", "step", "end"]
     assert lines[0]["imported"]["waits"] == "synchronous_model" and lines[-1]["status"] == "completed"
+
+
+def op_rows(compute_ms, stage_of=None, *, transfer_ms=5.0, rng=None):
+    """An op table of a synchronous job: per rank and step its input (2 ms), forward (a third of its
+    compute), backward (the rest); where ``stage_of`` is given, a pipeline receive that waits behind the
+    slowest stage; then its gradient all-reduce, which waits for the slowest rank of its data-parallel
+    group (the same stage) plus the transfer; then its optimizer step (3 ms)."""
+    steps, world = compute_ms.shape
+    rows = []
+    for s in range(steps):
+        slowest = compute_ms[s].max()
+        for r in range(world):
+            c = compute_ms[s, r]
+            t = 1000.0 * s
+            ops = [("data", 2.0), ("forward", c / 3)]
+            if stage_of is not None:
+                ops.append(("pp_recv", slowest - c))
+            ops.append(("backward", 2 * c / 3 - 2.0))
+            peers = [q for q in range(world) if stage_of is None or stage_of[q] == stage_of[r]]
+            ops += [("dp_collective", compute_ms[s, peers].max() - c + transfer_ms), ("optimizer", 3.0)]
+            for op, d in ops:
+                rows.append([r, s, op, f"{t:.3f}", f"{d:.3f}", *([stage_of[r], r // 4] if stage_of else [])])
+                t += d
+    return rows
+
+
+def test_a_pipeline_stage_in_an_op_table_is_stage_imbalance_not_the_network(tmp_path):
+    # data x pipeline, 8 workers in 4 stages; the last stage (loss, output layer) has 40% more work, so
+    # the other stages wait in their pipeline receives
+    rng = np.random.default_rng(44)
+    stage_of = [r % 4 for r in range(8)]
+    compute = 90.0 * rng.gamma(400.0, 1 / 400.0, (120, 8))
+    compute[:, [3, 7]] *= 1.4
+    table = write_csv(
+        tmp_path / "ops.csv",
+        ["rank", "step", "op", "start_ms", "duration_ms", "pp", "dp"],
+        op_rows(compute, stage_of),
+    )
+    out = tmp_path / "run"
+    assert pace(["import", "ops", str(table), str(out)]) == 0
+    a = load_arrays(out)
+    assert a.topology("pp") == stage_of and a.header["imported"]["format"] == "ops"
+    np.testing.assert_allclose(a.compute, compute, atol=1e-2)  # the receives are not compute
+    d = diagnose(a, project_ranks=None)
+    modes = [f.mode for f in d.findings]
+    assert modes[0] == "stage_imbalance" and d.findings[0].ranks == [3, 7], d.summary
+    assert "fabric_contention" not in modes
+
+
+def test_an_op_table_without_a_pipeline_measures_the_waits_of_its_collectives(tmp_path):
+    rng = np.random.default_rng(45)
+    compute = 50.0 * rng.gamma(400.0, 1 / 400.0, (100, 4))
+    compute[:, 2] += 15.0
+    table = write_csv(
+        tmp_path / "ops.csv", ["rank", "step", "op", "start_ms", "duration_ms"], op_rows(compute)
+    )
+    import_ops(table, tmp_path / "run")
+    a = load_arrays(tmp_path / "run")
+    assert a.header["imported"]["waits"] == "recorded"
+    np.testing.assert_allclose(a.wait, compute.max(axis=1, keepdims=True) - compute + 5.0, atol=1e-2)
+    assert a.opt is not None and np.allclose(a.opt, 3.0) and np.allclose(a.data, 2.0)
+    top = diagnose(a, project_ranks=None).findings[0]
+    assert top.mode == "persistent_straggler" and top.ranks == [2]
+
+
+def test_an_unknown_op_is_named_with_its_line(tmp_path):
+    table = tmp_path / "ops.csv"
+    table.write_text("rank,step,op,start_ms,duration_ms\n0,0,forward,0,1\n0,0,backwards,1,2\n")
+    with pytest.raises(
+        TableImportError, match=r"line 3: column 'op': 'backwards' is not an op \(did you mean 'backward'\?\)"
+    ):
+        import_ops(table, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
