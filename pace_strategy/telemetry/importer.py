@@ -22,10 +22,14 @@ not at all. The table is held in memory while it is read (about 100 bytes per ro
 from __future__ import annotations
 
 import argparse
+import bisect
 import csv
 import difflib
+import gzip
+import json
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -39,7 +43,16 @@ import numpy as np
 from pace_strategy.core.records import StepSummary
 from pace_strategy.telemetry.run_record import RECORD_FILENAME, RunRecordWriter
 
-__all__ = ["OPS", "OP_COLUMNS", "TABLE_COLUMNS", "TableImportError", "import_ops", "import_table", "main"]
+__all__ = [
+    "OPS",
+    "OP_COLUMNS",
+    "TABLE_COLUMNS",
+    "TableImportError",
+    "import_ops",
+    "import_table",
+    "import_traces",
+    "main",
+]
 
 #: numeric per-rank, per-step columns (ms unless named otherwise)
 _TIMES = ("compute_ms", "wait_ms", "step_ms", "data_ms")
@@ -468,10 +481,187 @@ def write_record(
     return out / RECORD_FILENAME
 
 
+#: a gradient collective in a profiler trace: gloo's and NCCL's CPU-side spans, c10d's ops, NCCL kernels
+_COLLECTIVE = re.compile(
+    r"^(gloo|nccl):(all_reduce|allreduce|reduce_scatter|all_gather|allgather)"
+    r"|^c10d::(allreduce_|reduce_scatter|_reduce_scatter_base|allgather|_allgather_base)"
+    r"|^nccl(Dev)?Kernel_(AllReduce|ReduceScatter|AllGather)",
+    re.IGNORECASE,
+)
+_STEP = re.compile(r"^ProfilerStep#(\d+)$")
+_BACKWARD = "autograd::engine::evaluate_function"
+_DATA = "enumerate(DataLoader)"
+_OPTIMIZER = "Optimizer.step#"
+_RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
+
+
+def _load_trace(path: Path) -> dict[str, Any]:
+    try:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt") as f:
+            trace = json.load(f)
+    except (OSError, ValueError, EOFError) as e:
+        raise TableImportError(f"{path}: not a readable Chrome-trace JSON file ({e})") from e
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        raise TableImportError(f"{path}: no 'traceEvents' list: not a PyTorch profiler trace")
+    return trace
+
+
+def _trace_rank(path: Path, trace: dict[str, Any]) -> int:
+    info = trace.get("distributedInfo") or {}
+    if isinstance(info.get("rank"), int):
+        return int(info["rank"])
+    match = _RANK_IN_NAME.search(path.name)
+    if match:
+        return int(match.group(1))
+    raise TableImportError(
+        f"{path}: the trace has no distributedInfo.rank (a run without torch.distributed) and its name "
+        "no 'rank<N>': name each rank's file rank<N>... "
+        "(tensorboard_trace_handler(dir, worker_name=f'rank{rank}'))"
+    )
+
+
+def _trace_steps(path: Path, trace: dict[str, Any]) -> dict[int, dict[str, float]]:
+    """Per ``ProfilerStep#N``: the rank's compute, wait, input, optimizer and step time, ms.
+
+    CPU traces: arrival is the end of the last backward op (``autograd::engine::evaluate_function``,
+    its gradient hand-off to the collective included), completion the end of the step's last gradient
+    collective (gloo's span on its own thread waits for every peer), compute the step's start to
+    arrival. GPU traces (kernel events): the device's view, each kernel in the step whose CPU launch
+    falls in it (by correlation id): arrival is the end of the last compute kernel launched before the
+    optimizer step, completion the end of the last collective kernel, compute the step's first
+    kernel to arrival."""
+    events = [e for e in trace["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"]
+    spans = []
+    for e in events:
+        m = _STEP.match(str(e.get("name", "")))
+        if m:
+            spans.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), int(m.group(1))))
+    if not spans:
+        raise TableImportError(
+            f"{path}: no ProfilerStep#N spans: record with torch.profiler.profile(schedule=...) and call "
+            "prof.step() once per training step"
+        )
+    spans.sort()
+    starts = [s[0] for s in spans]
+    launch = {
+        e["args"]["correlation"]: float(e["ts"])
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and isinstance(e.get("args"), dict)
+        and "correlation" in e["args"]
+    }
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+    def step_of(ts: float) -> int | None:
+        i = bisect.bisect_right(starts, ts) - 1
+        return i if i >= 0 and ts <= spans[i][1] else None
+
+    out: dict[int, dict[str, Any]] = {
+        n: {"start": a, "end": b, "data_ms": 0.0, "opt_ms": 0.0, "opt_at": None} for a, b, n in spans
+    }
+    by_index = [n for _, _, n in spans]
+    for e in events:
+        name = str(e.get("name", ""))
+        ts, end = float(e.get("ts", 0.0)), float(e.get("ts", 0.0)) + float(e.get("dur", 0.0))
+        i = step_of(ts)
+        if i is None or e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        cell = out[by_index[i]]
+        if _COLLECTIVE.search(name):
+            cell["sync_end"] = max(cell.get("sync_end", end), end)
+        elif name.startswith(_BACKWARD):
+            cell["arrival"] = max(cell.get("arrival", end), end)
+        elif name.startswith(_DATA):
+            cell["data_ms"] += (end - ts) / 1000.0
+        elif name.startswith(_OPTIMIZER):
+            cell["opt_ms"] += (end - ts) / 1000.0
+            cell["opt_at"] = ts if cell["opt_at"] is None else min(cell["opt_at"], ts)
+    if kernels:
+        for cell in out.values():  # the device's view replaces the host's
+            cell.pop("arrival", None)
+            cell.pop("sync_end", None)
+        for e in kernels:
+            ts, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+            at = launch.get((e.get("args") or {}).get("correlation"), ts)
+            i = step_of(at)
+            if i is None:
+                continue
+            cell = out[by_index[i]]
+            cell["device_start"] = min(cell.get("device_start", ts), ts)
+            if _COLLECTIVE.search(str(e.get("name", ""))):
+                cell["sync_end"] = max(cell.get("sync_end", end), end)
+            elif cell["opt_at"] is None or at < cell["opt_at"]:
+                cell["arrival"] = max(cell.get("arrival", end), end)
+    steps = {}
+    for n, cell in out.items():
+        if "arrival" not in cell or "sync_end" not in cell:
+            continue  # a step without backward or gradient collective (validation, the profiler's edges)
+        start = cell.get("device_start", cell["start"])
+        steps[n] = {
+            "compute_ms": max(0.0, cell["arrival"] - start) / 1000.0,
+            "wait_ms": max(0.0, cell["sync_end"] - cell["arrival"]) / 1000.0,
+            "data_ms": cell["data_ms"],
+            "opt_ms": cell["opt_ms"],
+            "step_ms": (cell["end"] - cell["start"]) / 1000.0,
+        }
+    if not steps:
+        raise TableImportError(
+            f"{path}: no step holds both a backward op and a gradient collective (gloo/nccl all-reduce, "
+            "reduce-scatter or all-gather): was the trace recorded around a distributed training step?"
+        )
+    return steps
+
+
+def read_traces(directory: str | os.PathLike[str]) -> tuple[_Table, int]:
+    """One PyTorch profiler trace per rank in ``directory`` (``*.json``, ``*.json.gz``) as a step
+    table of the steps every rank has; returns it and how many steps some rank lacked (left out)."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise TableImportError(f"{d}: not a directory of profiler traces")
+    files = sorted(p for p in d.iterdir() if p.name.endswith((".json", ".json.gz")))
+    if not files:
+        raise TableImportError(f"{d}: no *.json or *.json.gz trace files")
+    per_rank: dict[int, dict[int, dict[str, float]]] = {}
+    hosts: dict[int, str] = {}
+    where: dict[int, Path] = {}
+    for path in files:
+        trace = _load_trace(path)
+        rank = _trace_rank(path, trace)
+        if rank in per_rank:
+            raise TableImportError(
+                f"{path}: rank {rank} has a trace already ({where[rank].name}); keep one trace per rank "
+                "(one profiling cycle)"
+            )
+        per_rank[rank], where[rank] = _trace_steps(path, trace), path
+        if trace.get("host_name"):
+            hosts[rank] = str(trace["host_name"])
+    world = len(per_rank)
+    if sorted(per_rank) != list(range(world)):
+        gap = next(r for r in range(world + 1) if r not in per_rank)
+        raise TableImportError(f"{d}: traces of ranks {sorted(per_rank)}: rank {gap} has none")
+    common = sorted(set.intersection(*(set(s) for s in per_rank.values())))
+    if not common:
+        raise TableImportError(f"{d}: no ProfilerStep number is in every rank's trace")
+    dropped = len(set().union(*(set(s) for s in per_rank.values()))) - len(common)
+    columns = ("compute_ms", "wait_ms", "data_ms", "opt_ms", "step_ms")
+    values = {c: np.array([[per_rank[r][n][c] for r in range(world)] for n in common]) for c in columns}
+    placement = [{"host": hosts[r]} if r in hosts else {} for r in range(world)]
+    return _Table(steps=np.asarray(common, dtype=np.int64), values=values, placement=placement), dropped
+
+
+def import_traces(source: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
+    """Write the run record of the profiler traces in ``source`` (:func:`read_traces`) into ``out_dir``."""
+    _check_out(out_dir)
+    table, _ = read_traces(source)
+    return write_record(table, derive(table), Path(source), out_dir, "torch-profiler")
+
+
 #: ``pace import KIND``: the function that imports it, and its help
 KINDS = {
     "table": (import_table, "a per-rank step table (CSV or Parquet): docs/import.md"),
     "ops": (import_ops, "a per-rank op table (CSV or Parquet): docs/import.md"),
+    "torch-profiler": (import_traces, "a directory of PyTorch profiler traces, one per rank: docs/import.md"),
 }
 
 
@@ -484,7 +674,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="kind", metavar="KIND", required=True)
     for name, (_, help_text) in KINDS.items():
         kind = sub.add_parser(name, help=help_text)
-        kind.add_argument("file", help="the table: .csv, or .parquet (needs pyarrow)")
+        kind.add_argument(
+            "file",
+            help="the traces' directory" if name == "torch-profiler" else "the table: .csv, or .parquet",
+        )
         kind.add_argument("out_dir", help="a new directory for the run record")
     args = parser.parse_args(argv)
     try:

@@ -243,3 +243,121 @@ def test_an_unknown_op_is_named_with_its_line(tmp_path):
     ):
         import_ops(table, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_real_cpu_profiler_traces_name_the_rank_slow_in_backward(tmp_path):
+    """Traces of a real 2-rank gloo DDP run here (tests/fixtures/record_profiler_traces.py): rank 1
+    sleeps 15 ms in its backward."""
+    out = tmp_path / "run"
+    assert pace(["import", "torch-profiler", str(FIXTURES / "profiler_2ranks"), str(out)]) == 0
+    a = load_arrays(out)
+    assert a.world_size == 2 and a.steps == 12 and a.header["imported"]["waits"] == "recorded"
+    late = float(np.median(a.compute[:, 1] - a.compute[:, 0]))
+    lead = float(np.median(a.wait[:, 0] - a.wait[:, 1]))
+    # a sleep is never shorter than asked; both signals see it (arrival = the end of the backward)
+    assert 15.0 <= late <= 30.0 and 15.0 * 0.8 <= lead <= 30.0, (late, lead)
+    top = diagnose(a, project_ranks=None).findings[0]
+    assert top.mode == "persistent_straggler" and top.ranks == [1], top.evidence
+
+
+def gpu_trace(rank, compute_ms, transfer_ms=3.0):
+    """A synthetic GPU trace: per step, a host span, kernel launches (cudaLaunchKernel, correlated), a
+    compute kernel of ``compute_ms[step]`` and an NCCL all-reduce kernel that ends when the slowest rank
+    has arrived (``max(compute) + transfer``), then the optimizer's kernel."""
+    events, corr = [], 0
+    for n, (mine, slowest) in enumerate(compute_ms):
+        t = 100_000.0 * n
+        events.append(
+            {"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{n}", "ts": t, "dur": 90_000.0}
+        )
+        kernels = [
+            ("ampere_sgemm_128x64_nn", t + 1_000.0, mine * 1000.0, t + 100.0),
+            (
+                "ncclDevKernel_AllReduce_Sum_f32_RING_LL",
+                t + 1_000.0 + 200.0,
+                (slowest + transfer_ms) * 1000.0 - 200.0,
+                t + 300.0,
+            ),
+            (
+                "void at::native::vectorized_elementwise_kernel",
+                t + 1_000.0 + (slowest + transfer_ms) * 1000.0,
+                500.0,
+                t + 50_000.0,
+            ),
+        ]
+        events.append(
+            {
+                "ph": "X",
+                "cat": "user_annotation",
+                "name": "Optimizer.step#AdamW.step",
+                "ts": t + 49_000.0,
+                "dur": 2_000.0,
+            }
+        )
+        for name, ts, dur, launched in kernels:
+            corr += 1
+            events.append(
+                {
+                    "ph": "X",
+                    "cat": "cuda_runtime",
+                    "name": "cudaLaunchKernel",
+                    "ts": launched,
+                    "dur": 5.0,
+                    "args": {"correlation": corr},
+                }
+            )
+            events.append(
+                {
+                    "ph": "X",
+                    "cat": "kernel",
+                    "name": name,
+                    "ts": ts,
+                    "dur": dur,
+                    "args": {"correlation": corr},
+                }
+            )
+    return {
+        "traceEvents": events,
+        "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": 2},
+        "host_name": f"gpu{rank}",
+    }
+
+
+def test_a_gpu_trace_is_read_by_its_kernels(tmp_path):
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    compute = np.array([[40.0, 52.0]] * 10)
+    for r in range(2):
+        pairs = [(compute[n, r], compute[n].max()) for n in range(10)]
+        (traces / f"worker{r}.pt.trace.json").write_text(json.dumps(gpu_trace(r, pairs)))
+    from pace_strategy.telemetry.importer import import_traces
+
+    import_traces(traces, tmp_path / "run")
+    a = load_arrays(tmp_path / "run")
+    np.testing.assert_allclose(a.compute, compute, atol=1e-6)
+    np.testing.assert_allclose(a.wait, compute.max(axis=1, keepdims=True) - compute + 3.0, atol=1e-6)
+    assert a.topology("host") == ["gpu0", "gpu1"] and np.allclose(a.opt, 2.0)
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ({"rank0.json": "{not json"}, "not a readable Chrome-trace JSON"),
+        ({"rank0.json": '{"traceEvents": []}'}, "no ProfilerStep#N spans"),
+        (
+            {"a.json": '{"traceEvents": [{"ph": "X", "name": "ProfilerStep#1", "ts": 0, "dur": 1}]}'},
+            "no distributedInfo.rank",
+        ),
+        ({}, "no \\*.json or \\*.json.gz trace files"),
+    ],
+)
+def test_bad_traces_are_named(tmp_path, files, message):
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    for name, text in files.items():
+        (traces / name).write_text(text)
+    from pace_strategy.telemetry.importer import import_traces
+
+    with pytest.raises(TableImportError, match=message):
+        import_traces(traces, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
