@@ -11,7 +11,8 @@ runs are counted apart (named / any other finding). Then the injected scenarios,
 named (first, with the right ranks; any unexpected extra finding is listed): a persistent straggler,
 a slow data loader, rotating transient stragglers, a slow local rank on two "nodes" (locality), a
 persistent straggler on an oversubscribed host, rotating transient stragglers on one (named
-beside it), and with real compute only: a rank slow in its
+beside it), two of four ranks slow in their backward (a slow group), one rank slow in its backward
+for steps 50-89 only (a straggler episode), and with real compute only: a rank slow in its
 backward (a sleep at the injection point after the first block) and one doing real CPU work in its
 forward and backward.
 
@@ -204,6 +205,23 @@ def injected_scenarios() -> list[Scenario]:
             0,
             ("--straggler", "1:16", "--straggler-phase", "backward"),
             expect="persistent_straggler",
+            expect_ranks=(1,),
+        ),
+        Scenario(
+            "group-backward-r4",
+            4,
+            10,
+            ("--straggler", "1:16,2:16", "--straggler-phase", "backward"),
+            expect="persistent_straggler",
+            expect_ranks=(1, 2),
+            extra_ok=("host_oversubscription",),
+        ),
+        Scenario(
+            "episode-backward-r2",
+            2,
+            12,
+            ("--straggler", "1:30@50-89", "--straggler-phase", "backward"),
+            expect="straggler_episode",
             expect_ranks=(1,),
         ),
         Scenario(

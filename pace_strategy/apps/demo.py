@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--straggler",
         default=None,
-        help="RANK:MS[:PROB],... injected delay; '' for none; default: rank 2 (the last rank of a smaller "
-        "run) 30 ms",
+        help="RANK:MS[:PROB][@FIRST-LAST],... injected delay (@: only in those steps, an episode); '' for "
+        "none; default: rank 2 (the last rank of a smaller run) 30 ms",
     )
     p.add_argument(
         "--straggler-local",
@@ -218,7 +218,7 @@ def _stragglers(args: argparse.Namespace) -> list[Straggler]:
     for s in local:
         for node in range(args.num_nodes):
             rank = node * args.devices + s.rank
-            stragglers.append(Straggler(rank=rank, delay_ms=s.delay_ms, probability=s.probability))
+            stragglers.append(dataclasses.replace(s, rank=rank))
     placed = [dataclasses.replace(s, phase=args.straggler_phase, spin=args.spin) for s in stragglers]
     slow = [
         dataclasses.replace(s, spin=args.spin) for s in parse_slow_devices(args.slow_device, args.sample_ms)

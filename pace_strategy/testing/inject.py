@@ -48,6 +48,8 @@ class Straggler:
         probability: chance that a given step is affected (1.0: every step, a persistent straggler).
         jitter_ms: uniform +/- spread added to ``delay_ms`` on affected steps.
         start_step: first step affected.
+        stop_step: first step no longer affected (``None``: to the end): with ``start_step``, a
+            straggler episode.
         seed: seed of the per-step draws.
         phase: where the time goes: ``"step"`` (before the forward), ``"backward"`` (inside
             backward, at the model's injection point), ``"forward_backward"`` (half in the forward
@@ -62,6 +64,7 @@ class Straggler:
     probability: float = 1.0
     jitter_ms: float = 0.0
     start_step: int = 0
+    stop_step: int | None = None
     seed: int = 0
     phase: str = "step"
     spin: bool = False
@@ -84,7 +87,11 @@ class Straggler:
     def delay_at(self, rank: int, step: int, samples: int = 0) -> float:
         """Milliseconds this injection adds to ``rank`` at ``step`` whose batch has ``samples``
         samples (deterministic)."""
-        if rank != self.rank or step < self.start_step:
+        if (
+            rank != self.rank
+            or step < self.start_step
+            or (self.stop_step is not None and step >= self.stop_step)
+        ):
             return 0.0
         base = self.delay_ms + self.per_sample_ms * samples
         if self.probability >= 1.0 and self.jitter_ms == 0.0:
@@ -160,18 +167,27 @@ def parse_slow_devices(spec: str, sample_ms: float) -> list[Straggler]:
 
 
 def parse_stragglers(spec: str) -> list[Straggler]:
-    """Parse ``"RANK:MS[:PROB]"`` items separated by commas, e.g. ``"1:40"`` or ``"2:30:0.2,3:10"``."""
+    """Parse ``"RANK:MS[:PROB][@FIRST-LAST]"`` items separated by commas, e.g. ``"1:40"``,
+    ``"2:30:0.2,3:10"`` or ``"1:30@100-180"`` (rank 1 30 ms slow in steps 100 to 180: an episode;
+    ``@100-`` from step 100 to the end)."""
     out = []
     for item in filter(None, (part.strip() for part in spec.split(","))):
-        parts = item.split(":")
+        body, _, steps = item.partition("@")
+        parts = body.split(":")
         if len(parts) not in (2, 3):
             raise PacingConfigError(
-                f"straggler spec {item!r} is invalid: expected RANK:MS or RANK:MS:PROBABILITY, e.g. '1:40'."
+                f"straggler spec {item!r} is invalid: expected RANK:MS, RANK:MS:PROBABILITY or either with "
+                "@FIRST-LAST steps, e.g. '1:40' or '1:40@100-180'."
             )
         try:
             rank, ms = int(parts[0]), float(parts[1])
             prob = float(parts[2]) if len(parts) == 3 else 1.0
+            first_text, dash, last_text = steps.partition("-")
+            if steps and not dash:
+                raise ValueError(f"steps {steps!r}: expected FIRST-LAST or FIRST-")
+            first = int(first_text) if steps else 0
+            stop = int(last_text) + 1 if last_text else None
         except ValueError as error:
             raise PacingConfigError(f"straggler spec {item!r} is invalid: {error}") from error
-        out.append(Straggler(rank=rank, delay_ms=ms, probability=prob))
+        out.append(Straggler(rank=rank, delay_ms=ms, probability=prob, start_step=first, stop_step=stop))
     return out

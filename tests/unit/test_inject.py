@@ -73,3 +73,13 @@ def test_the_injection_point_spends_its_backward_time_between_the_layers_gradien
     assert ready["first"] - ready["last"] < 0.02
     with pytest.raises(ValueError, match="needs an InjectionPoint"):
         arm_injection_points(torch.nn.Linear(2, 2), slow, rank=1, step=0)
+
+
+def test_an_episode_spec_slows_its_steps_only():
+    (s,) = parse_stragglers("1:30@5-7")
+    assert (s.start_step, s.stop_step) == (5, 8)
+    assert [injected_delay_ms([s], 1, step) for step in range(4, 10)] == [0, 30, 30, 30, 0, 0]
+    (to_end,) = parse_stragglers("2:10@3-")
+    assert to_end.stop_step is None and injected_delay_ms([to_end], 2, 10**6) == 10
+    with pytest.raises(PacingConfigError, match="expected FIRST-LAST"):
+        parse_stragglers("1:30@5")
