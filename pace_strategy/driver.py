@@ -105,14 +105,17 @@ class PacingDriver:
         if self.session is not None:
             self.session.pacer.interrupt()
 
-    def end_step(self, samples: int | None = None) -> WindowResult | None:
+    def end_step(self, samples: int | None = None, tokens: int | None = None) -> WindowResult | None:
         """The synchronizing optimizer step is done; ``samples``: what this rank trained on (the
-        rebalancing loader reports it itself). Collective: every rank, every step."""
+        rebalancing loader reports it itself); ``tokens``: the tokens it trained on, where inputs differ
+        in length (replaces what the model's forwards counted). Collective: every rank, every step."""
         self.steps += 1
         if self.session is None:
             return None
         if samples is not None and self.rebalance is None:
             self.session.pacer.set_samples(samples)
+        if tokens is not None:
+            self.session.pacer.set_tokens(tokens)
         result = self.session.end_step()
         if result is not None:
             self.tally.add(result)

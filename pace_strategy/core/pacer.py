@@ -77,6 +77,7 @@ class _OpenStep:
     gc_collections: int = 0
     gc_due: float = 0.0
     samples: int = 0
+    tokens: int = 0
     #: the device had reached the arrival when the host ended the step (``Field.HOST_BOUND``)
     host_bound: bool = True
     #: whether bucket hand-offs are seen (the comm-hook monitor); False: the buckets are not timed
@@ -355,6 +356,17 @@ class Pacer:
         with gradient accumulation, the caller passes the step's total)."""
         if self._open is not None:
             self._open.samples = samples
+
+    def add_tokens(self, tokens: int) -> None:
+        """The open step's forwards take ``tokens`` more tokens on this rank (summed over the step's
+        micro-batches)."""
+        if self._open is not None:
+            self._open.tokens += tokens
+
+    def set_tokens(self, tokens: int) -> None:
+        """The open step trains on ``tokens`` tokens on this rank (what the loop counted itself)."""
+        if self._open is not None:
+            self._open.tokens = tokens
 
     def attach_shares(self, schedule: ShareSchedule, lookahead_steps: int) -> None:
         """Attach the share schedule the data pipeline reads; the integration calls it once, before the
@@ -766,6 +778,7 @@ class Pacer:
         row[Field.GC_MS] = s.gc_ms
         row[Field.GC_COLLECTIONS] = float(s.gc_collections)
         row[Field.SAMPLES] = float(s.samples)
+        row[Field.TOKENS] = float(s.tokens)
         row[Field.GC_DUE] = s.gc_due
         row[Field.OPT_MS] = el(s.done, s.end) if seen else 0.0
         row[Field.HOST_BOUND] = 1.0 if s.host_bound else 0.0

@@ -57,6 +57,9 @@ class Field(enum.IntEnum):
     #: of its total, read when the step is resolved; 0.0 on CPU. Exchanged for rebalancing's memory
     #: check (a split that would not fit is never taken), not written to the run record.
     MEM_PEAK = 16
+    #: tokens this rank trained on in the step (0: not known): its work size where inputs differ in
+    #: length (the padded ``input_ids`` of its forwards, or what the loop reports)
+    TOKENS = 17
 
 
 NUM_FIELDS = len(Field)
@@ -138,6 +141,7 @@ class StepSummary:
     opt_ms: tuple[float, ...] = ()
     #: per rank: 1 when the host was the bottleneck of the step (``Field.HOST_BOUND``)
     host_bound: tuple[int, ...] = ()
+    tokens: tuple[int, ...] = ()  #: per rank: tokens trained on (0: not known)
     #: (median, min, max) of ``lead_ms`` over the ranks (the median: the upper one of an even count);
     #: ``None``: take them from ``lead_ms``. Set by the summarizer, also where the per-rank tuples are
     #: left empty (a wide world whose per-rank columns go to the columnar record)

@@ -249,6 +249,7 @@ def _per_rank(columns: dict[Field, list[list[float]]], leads: list[list[float]],
         "samples": tuple(int(v) for v in columns[Field.SAMPLES][i]),
         "opt_ms": tuple(columns[Field.OPT_MS][i]),
         "host_bound": tuple(int(v) for v in columns[Field.HOST_BOUND][i]),
+        "tokens": tuple(int(v) for v in columns[Field.TOKENS][i]),
     }
 
 

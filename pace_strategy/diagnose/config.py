@@ -22,6 +22,7 @@ _SHARES = (
     "data_share",
     "data_straggler_share",
     "gc_explained_share",
+    "input_explained_share",
 )
 
 
@@ -159,6 +160,14 @@ class DiagnosisConfig:
         metadata=doc(
             """``gc_pauses`` needs at least this many costly steps whose late rank's own collector
             explains at least half of its lateness (one collection is not a pattern)."""
+        ),
+    )
+    input_explained_share: float = field(
+        default=0.5,
+        metadata=doc(
+            """The ranks' recorded work sizes (tokens, else samples) must explain at least this share of
+            the differences in their per-step compute (R^2 of a least-squares fit on the work size and
+            its square) for ``input_imbalance``."""
         ),
     )
     max_heatmap_rows: int = field(

@@ -340,11 +340,12 @@ def digest_run(a: RunLines, cfg: DiagnosisConfig, *, use_opt: bool = True) -> Ru
         count += n
         floor.add(lo, block, ("wait",))
         growth.add(lo, block, ("wait",))
-        sample.add(lo, block, ("wait", "compute", "data", "gap", "samples"))
+        sample.add(lo, block, ("wait", "compute", "data", "gap", "samples", "tokens"))
         lo += n
     if lo != S:
         raise ValueError(f"the record's per-rank numbers hold {lo} of its {S} steps")
     complete["samples"] = sample.complete.get("samples", False)
+    complete["tokens"] = sample.complete.get("tokens", False)
     for name in ("gc_ms", "gc_collections", "host_bound"):
         complete[name] = complete[name] and S > 0
     picked, values = sample.rows, sample.values
@@ -401,6 +402,7 @@ def digest_run(a: RunLines, cfg: DiagnosisConfig, *, use_opt: bool = True) -> Ru
             data=sampled("data"),
             gap=sampled("gap"),
             samples=values["samples"] if complete["samples"] else None,
+            tokens=values["tokens"] if complete["tokens"] else None,
         ),
         sample_rows=picked,
         heat=heat.result(len(heat_labels)),

@@ -13,6 +13,7 @@ from pace_strategy.diagnose.digest import RunDigest, digest_run
 from pace_strategy.diagnose.gc_checks import gc_pauses
 from pace_strategy.diagnose.group_checks import fabric_contention, sync_amplification
 from pace_strategy.diagnose.hang import hang_evidence_notes
+from pace_strategy.diagnose.input_checks import input_imbalance
 from pace_strategy.diagnose.projection import DEFAULT_PROJECT_RANKS, project
 from pace_strategy.diagnose.rank_checks import (
     data_stall,
@@ -161,6 +162,9 @@ def diagnose_run(
         # cause, and a rank whose lateness its own collector explains is not slow itself. A persistent
         # straggler's lateness is not GC time, so it stays theirs.
         gc_pauses,
+        # uneven inputs claim the waiting the ranks' work sizes explain (no ranks of their own: the
+        # late rank changes with the batch), before the checks that blame ranks and places
+        input_imbalance,
         locality,
         # several slow ranks taking turns being last, then a rank or ranks slow for a stretch, before
         # the one-rank check: neither is last in most steps, and whole-run shares drown a stretch

@@ -9,6 +9,7 @@ import numpy as np
 __all__ = ["fabric_contention", "max_growth", "sync_amplification"]
 
 from pace_strategy.diagnose.digest import growth_rows
+from pace_strategy.diagnose.input_checks import work_sizes
 from pace_strategy.diagnose.result import Finding, Mode, pct
 from pace_strategy.diagnose.run_stats import (
     AMPLIFICATION_BASE_CONFIDENCE,
@@ -133,13 +134,37 @@ def sync_amplification(run: RunStats, explained: set[int]) -> list[Finding]:
                 "slowest-rank excess grows with "
                 f"ranks: {curve}"
             ),
-            action=(
-                "transient slowness somewhere in many ranks, amplified by the barrier: find the sources "
-                "(GC pauses, checkpoint I/O, noisy neighbours, power capping); it gets worse with more ranks"
-            ),
+            action=_amplification_action(run),
             details={"entropy": entropy, "growth_ms": growth},
         )
     ]
+
+
+def _amplification_action(run: RunStats) -> str:
+    """Where to look for the transient slowness: uneven inputs first when the late rank's own compute
+    was longer, no work size was recorded, and neither its input nor its collector explains it."""
+    generic = (
+        "transient slowness somewhere in many ranks, amplified by the barrier: find the sources "
+        "(GC pauses, checkpoint I/O, noisy neighbours, power capping); it gets worse with more ranks"
+    )
+    mask = run.all_steps
+    late = np.maximum(run.late_ms(mask), EPSILON)
+    compute = np.median((run.own("compute", mask) - run.others("compute", mask)) / late)
+    data = np.median((run.own("data", mask) - run.others("data", mask)) / late)
+    gc = run.digest.gc
+    collector = gc is not None and bool(np.median(np.nan_to_num(gc.own) / late) >= run.cfg.gc_explained_share)
+    recorded = work_sizes(run) is not None
+    if recorded or compute < run.cfg.compute_late_fraction or data >= run.cfg.data_share or collector:
+        return generic
+    return (
+        "uneven inputs are the first suspect: in the steps it was late, the late rank's own compute "
+        f"explains {pct(float(min(compute, 1.0)))} of its lateness at the median, a different rank each "
+        "step, with no input wait or collector pause behind it, as when ranks draw sequences of different "
+        "lengths. Record each rank's tokens to confirm (an adapter that sees input_ids counts them; "
+        "pace.end_step(tokens=...) in a plain loop; a tokens column in pace import): then "
+        "input_imbalance says how much they explain, and the fix is length-balanced batches. Otherwise: "
+        "checkpoint I/O, noisy neighbours, power capping; it gets worse with more ranks"
+    )
 
 
 def max_growth(run: RunStats) -> list[tuple[int, float]]:

@@ -17,6 +17,7 @@ class Mode(str, enum.Enum):
     STRAGGLER_EPISODE = "straggler_episode"
     LOCALITY = "locality"
     STAGE_IMBALANCE = "stage_imbalance"
+    INPUT_IMBALANCE = "input_imbalance"
     SYNC_AMPLIFICATION = "sync_amplification"
     FABRIC_CONTENTION = "fabric_contention"
     DATA_STALL = "data_stall"

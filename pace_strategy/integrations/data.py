@@ -8,11 +8,28 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 from pace_strategy.session import PacingSession
 
-__all__ = ["DataWaitHook", "loader_workers", "time_dataloader"]
+__all__ = ["DataWaitHook", "forward_tokens", "loader_workers", "time_dataloader"]
+
+
+def forward_tokens(args: Any, kwargs: Any) -> int:
+    """The tokens a forward computes on: the size of its ``input_ids`` (a keyword argument, as Hugging
+    Face models take it, or the first positional integer tensor), padding included, since a padded
+    batch computes on every position; 0 when it has none. Read from the shape only: never a device
+    synchronization."""
+    ids = kwargs.get("input_ids") if isinstance(kwargs, dict) else None
+    if ids is None and args:
+        first = args[0]
+        if isinstance(first, dict):
+            ids = first.get("input_ids")
+        elif getattr(first, "dtype", None) in (torch.int64, torch.int32):
+            ids = first
+    numel = getattr(ids, "numel", None)
+    return int(numel()) if callable(numel) else 0
 
 
 def loader_workers(loader: object) -> int | None:

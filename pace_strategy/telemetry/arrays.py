@@ -54,7 +54,7 @@ _SKIPPABLE = {"rank_step": "step_ms", "delay": "delay_ms"}
 #: 100k steps x 1,024 ranks). ``pace diagnose`` itself holds no such array (:meth:`RunLines.rank_blocks`)
 DIAGNOSIS_SKIP = ("rank_step", "delay")
 #: per-rank fields that later records add: loaded when every kept step has them, else left ``None``
-_OPTIONAL_RANK_FIELDS = ("gc_ms", "gc_collections", "samples", "opt_ms")
+_OPTIONAL_RANK_FIELDS = ("gc_ms", "gc_collections", "samples", "opt_ms", "tokens")
 
 
 #: the per-rank fields :meth:`RunLines.rank_blocks` yields: the :class:`RunArrays` attribute and the
@@ -68,11 +68,12 @@ BLOCK_FIELDS = {
     "gc_ms": "gc_ms",
     "gc_collections": "gc_collections",
     "samples": "samples",
+    "tokens": "tokens",
     "host_bound": "host_bound",
 }
 #: of those, the ones a block leaves out where some of its steps lack them (or, in a columnar file,
 #: hold a null)
-OPTIONAL_BLOCK_FIELDS = ("opt", "gc_ms", "gc_collections", "samples")
+OPTIONAL_BLOCK_FIELDS = ("opt", "gc_ms", "gc_collections", "samples", "tokens")
 #: numbers per block of :meth:`RunLines.rank_blocks` (steps x ranks): 1 Mi (8 MB a float64 field)
 _BLOCK_NUMBERS = 1 << 20
 #: numbers of one file a columnar read converts at once, at least
@@ -194,6 +195,8 @@ class RunArrays(RunLines):
     gc_collections: np.ndarray | None = None  #: [S, ranks] collections per step; None: not recorded
     #: [S, ranks] samples each rank trained on (0: not reported); None: not recorded
     samples: np.ndarray | None = None
+    #: [S, ranks] tokens each rank trained on (0: not reported); None: not recorded
+    tokens: np.ndarray | None = None
     #: [S, ranks] collective completion -> step end (optimizer step, hooks); None: not recorded
     opt: np.ndarray | None = None
     #: ``[steps, ranks]`` bool: the host was the bottleneck of the step on that rank (its device had
@@ -252,6 +255,7 @@ def sample_arrays(a: RunLines, rows: np.ndarray) -> RunArrays:
         gc_ms=joined("gc_ms"),
         gc_collections=joined("gc_collections"),
         samples=joined("samples"),
+        tokens=joined("tokens"),
         host_bound=joined("host_bound"),
     )
 
@@ -621,6 +625,7 @@ def load_arrays(path: str | os.PathLike[str], *, skip: Collection[str] = ()) -> 
             gc_ms=optional("gc_ms"),
             gc_collections=optional("gc_collections"),
             samples=optional("samples"),
+            tokens=optional("tokens"),
             opt=optional("opt_ms"),
             # read as bool (a batch without the column: every rank bound, as a JSON line without it)
             host_bound=lists.host_bound.array()

@@ -16,6 +16,7 @@ column                  type      meaning
                                   (``gc_ms`` and ``opt_ms`` null where not recorded)
 ``gc_collections``      int32     collections in the step (null where not recorded)
 ``samples``             int32     samples trained on (null where not recorded)
+``tokens``              int32     tokens trained on (null where not recorded; 0: not known)
 ``host_bound``          bool      the host was the step's bottleneck on that rank
 ======================  ========  ==========================================================
 
@@ -57,7 +58,7 @@ __all__ = [
 ]
 
 COLUMNS_SCHEMA = "pace_strategy/rank-columns"
-COLUMNS_VERSION = 1
+COLUMNS_VERSION = 2
 #: ``min_batch_rows`` of a node leader's shard (:class:`RankColumnsWriter`): a node's windows are a
 #: few hundred rows each. A reader holds a batch of every shard at once (65,536 rows held 3.4 GB of
 #: 1,024 shards), and pays ~0.2 ms per batch (16,384: 50k batches at 100k steps x 8,192 ranks)
@@ -74,7 +75,7 @@ FLOAT_COLUMNS: dict[str, str] = {
     "gc_ms": "gc_ms",
     "opt_ms": "opt_ms",
 }
-INT_COLUMNS = ("gc_collections", "samples")
+INT_COLUMNS = ("gc_collections", "samples", "tokens")
 
 
 class RankColumnsError(ValueError):
@@ -192,7 +193,8 @@ class RankColumnsWriter:
         fields = {"compute_ms": Field.COMPUTE_MS, "wait_ms": Field.WAIT_MS, "delay_ms": Field.DELAY_MS,
                   "step_ms": Field.STEP_MS, "data_ms": Field.DATA_MS, "gap_ms": Field.GAP_MS,
                   "gc_ms": Field.GC_MS, "opt_ms": Field.OPT_MS, "gc_collections": Field.GC_COLLECTIONS,
-                  "samples": Field.SAMPLES, "host_bound": Field.HOST_BOUND}  # fmt: skip
+                  "samples": Field.SAMPLES, "tokens": Field.TOKENS,
+                  "host_bound": Field.HOST_BOUND}  # fmt: skip
         for name, f in fields.items():
             columns[name] = column(mine[:, :, f])
         self.write_rows(window[0, :, Field.STEP].astype(np.int64).tolist(), columns)
@@ -245,7 +247,8 @@ class RankColumnsWriter:
         for name in FLOAT_COLUMNS:
             arrays.append(_column(pa, columns.get(name), count, world, np.float32))
         for name in INT_COLUMNS:
-            arrays.append(_column(pa, columns.get(name), count, world, np.int32))
+            values = _reported(columns.get(name), count, world) if name == "tokens" else columns.get(name)
+            arrays.append(_column(pa, values, count, world, np.int32))
         bound = columns.get("host_bound")
         if not isinstance(bound, np.ndarray):
             bound = [b if b else (1,) * world for b in bound or [None] * count]
@@ -259,6 +262,22 @@ class RankColumnsWriter:
                 self._writer.close()
                 self._sink.close()
                 self._writer = self._sink = None
+
+
+def _reported(per_step: Any, steps: int, world: int) -> np.ndarray | None:
+    """Tokens as ``[steps, ranks]``, NaN (null) in a step where no rank reported any (0 everywhere):
+    the JSON lines leave those steps' ``tokens`` out."""
+    if per_step is None:
+        return None
+    values = np.zeros((steps, world))
+    if isinstance(per_step, np.ndarray):
+        values[:] = per_step
+    else:
+        for i, row in enumerate(per_step):
+            if row:
+                values[i] = row
+    values[~values.any(axis=1)] = np.nan
+    return values
 
 
 def _column(pa: Any, per_step: Any, steps: int, world: int, dtype: type) -> Any:

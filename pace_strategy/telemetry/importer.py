@@ -3,13 +3,13 @@
 
 A **step table** (CSV, or Parquet with pyarrow) has one row per rank and step: the columns ``rank``,
 ``step`` and at least one of ``compute_ms``, ``wait_ms``, ``step_ms``; optionally ``data_ms``,
-``samples``, ``host`` and the rank's mesh coordinates (``dp_replicate``, ``dp_shard``, ``dp``, ``tp``,
-``pp``, ``cp``). Where the waits are not recorded they follow from the synchronous model: every rank
-starts the step together, the collective completes once the last rank has arrived, so a rank waits
-for the slowest rank's compute minus its own, plus the collective's time (``step_ms`` minus the
-slowest compute where both are given, else 0). The record's header says which (``imported.waits``),
-and the diagnosis repeats it. A rank's own ``step_ms`` alone (a worker's iteration time with no waits
-in it) is its compute.
+``samples``, ``tokens``, ``host`` and the rank's mesh coordinates (``dp_replicate``, ``dp_shard``,
+``dp``, ``tp``, ``pp``, ``cp``). Where the waits are not recorded they follow from the synchronous
+model: every rank starts the step together, the collective completes once the last rank has arrived,
+so a rank waits for the slowest rank's compute minus its own, plus the collective's time
+(``step_ms`` minus the slowest compute where both are given, else 0). The record's header says which
+(``imported.waits``), and the diagnosis repeats it. A rank's own ``step_ms`` alone (a worker's
+iteration time with no waits in it) is its compute.
 
 An **op table** has one row per op: ``rank``, ``step``, ``op``, ``start_ms``, ``duration_ms`` and the
 placement columns; :data:`OPS` says what each op counts as (:func:`read_ops`).
@@ -59,7 +59,7 @@ _TIMES = ("compute_ms", "wait_ms", "step_ms", "data_ms")
 #: per-rank placement columns: the same value in every step of a rank
 PLACEMENT = ("host", "dp_replicate", "dp_shard", "dp", "tp", "pp", "cp")
 #: every column a table may have
-TABLE_COLUMNS = ("rank", "step", *_TIMES, "samples", *PLACEMENT)
+TABLE_COLUMNS = ("rank", "step", *_TIMES, "samples", "tokens", *PLACEMENT)
 #: steps a window of the written record holds (the default exchange's)
 _WINDOW_STEPS = 32
 #: steps over which ``step_cv`` is taken, as the live summarizer's rolling window
@@ -236,14 +236,14 @@ def read_table(path: str | os.PathLike[str]) -> _Table:
             f"{p}: the table needs at least one of the columns compute_ms, wait_ms, step_ms (it has "
             f"{', '.join(names)})"
         )
-    times = [c for c in (*_TIMES, "samples") if c in names]
+    times = [c for c in (*_TIMES, "samples", "tokens") if c in names]
     cells = _Cells(p, [c for c in PLACEMENT if c in names])
     for where, row in rows:
         key, cell, new = cells.cell(where, row)
         if not new:
             raise TableImportError(f"{p}: {where}: rank {key[0]} step {key[1]} appears twice")
         for c in times:
-            cell[c] = _number(p, where, c, row[c], integer=c == "samples")
+            cell[c] = _number(p, where, c, row[c], integer=c in ("samples", "tokens"))
     return cells.table(times)
 
 
@@ -380,7 +380,7 @@ def derive(t: _Table) -> _Derived:
 def _summaries(t: _Table, d: _Derived) -> Iterator[StepSummary]:
     world = d.wait.shape[1]
     zeros = (0.0,) * world
-    samples, gc, opt = (t.values.get(c) for c in ("samples", "gc_ms", "opt_ms"))
+    samples, tokens, gc, opt = (t.values.get(c) for c in ("samples", "tokens", "gc_ms", "opt_ms"))
     for i, step in enumerate(t.steps.tolist()):
         w = d.wait[i]
         lead = w - w.min()
@@ -410,6 +410,7 @@ def _summaries(t: _Table, d: _Derived) -> Iterator[StepSummary]:
             samples=tuple(int(x) for x in samples[i]) if samples is not None else (),
             gc_ms=tuple(gc[i].tolist()) if gc is not None else (),
             opt_ms=tuple(opt[i].tolist()) if opt is not None else (),
+            tokens=tuple(int(x) for x in tokens[i]) if tokens is not None else (),
         )
 
 

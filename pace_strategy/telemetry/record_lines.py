@@ -102,6 +102,7 @@ class RankColumns:
     samples: list[int] | None = field(default=None, metadata=OMIT)
     opt_ms: list[Number] | None = field(default=None, metadata=OMIT)
     host_bound: list[int] | None = field(default=None, metadata=OMIT)
+    tokens: list[int] | None = field(default=None, metadata=OMIT)
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}

@@ -149,6 +149,8 @@ def step_line(s: StepSummary, with_ranks: bool = True) -> StepLine:
             # sparse: only where some rank's device was still behind its host (never on CPU); a
             # step without the column had every rank host-bound
             host_bound=list(s.host_bound) if s.host_bound and not all(s.host_bound) else None,
+            # only where some rank reported its tokens (an adapter that sees them, or the loop)
+            tokens=list(s.tokens) if any(s.tokens) else None,
         )
         if with_ranks
         else None,
@@ -492,11 +494,13 @@ def _attach_ranks(record: RunRecord, directory: Path, shards: list[tuple[str, li
             row = values[i]
             if np.isnan(row).all() and name in _OPTIONAL_RANK_FIELDS:
                 continue  # not recorded in this step
+            if name == "tokens" and not np.nan_to_num(row).any():
+                continue  # written only where some rank reported its tokens, as in the JSON lines
             if name == "host_bound":
                 if row.all():
                     continue  # written only where some rank was not host-bound, as in the JSON lines
                 ranks[name] = [int(v) for v in row]
-            elif name in ("gc_collections", "samples"):
+            elif name in ("gc_collections", "samples", "tokens"):
                 ranks[name] = [int(v) for v in row]
             else:
                 ranks[name] = [None if math.isnan(v) else float(v) for v in row]

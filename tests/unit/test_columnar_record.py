@@ -119,7 +119,7 @@ def test_a_session_writes_the_columns_beside_the_global_stream(sessions):
     arrow, jsonl = sessions["arrow"] / "pace_run.jsonl", sessions["jsonl"] / "pace_run.jsonl"
     header = json.loads(arrow.read_text().splitlines()[0])
     assert header["rank_columns"] == {"file": "pace_run.ranks.arrow", "schema": "pace_strategy/rank-columns",
-                                      "version": 1}  # fmt: skip
+                                      "version": 2}  # fmt: skip
     steps = [json.loads(x) for x in arrow.read_text().splitlines() if '"record":"step"' in x]
     assert len(steps) == 8 * K and not any("ranks" in s for s in steps)
     table = pa.ipc.open_stream(str(arrow.with_name("pace_run.ranks.arrow"))).read_all()
@@ -128,7 +128,9 @@ def test_a_session_writes_the_columns_beside_the_global_stream(sessions):
     # the same run, the same numbers (ManualClock: both runs measure identical steps)
     assert read_run_record(arrow).steps == read_run_record(jsonl).steps
     _arrays_equal(load_arrays(arrow), load_arrays(jsonl))
-    assert set(np.unique(load_arrays(arrow).samples)) == {24.0, 32.0, 40.0}  # the shares changed
+    a = load_arrays(arrow)
+    assert set(np.unique(a.samples)) == {24.0, 32.0, 40.0}  # the shares changed
+    assert a.tokens is not None and np.array_equal(a.tokens, 128 * a.samples)  # the forwards' tokens, summed
 
 
 def test_steps_whose_rows_were_never_written_are_dropped_as_truncated(sessions, tmp_path):

@@ -327,6 +327,8 @@ def rank_loop(
         clock.advance(model.gap_ms[rank])
         pacer.begin_step(t)
         pacer.set_samples(shares[rank])
+        for _ in range(2):  # two micro-batches of 64 tokens a sample
+            pacer.add_tokens(64 * shares[rank])
         clock.advance(arrival[rank] - model.data_ms[rank] - model.gap_ms[rank])
         pacer.enter_sync(bucketed=False)
         clock.advance(end - arrival[rank])

@@ -27,7 +27,7 @@ from pace_strategy.driver import PacingDriver
 from pace_strategy.integrations._model import data_rebalance, is_paceable, model_is_fsdp2, pace_model
 from pace_strategy.integrations._preemption import SigtermHandler
 from pace_strategy.integrations.dashboard import custom_scalars_sink
-from pace_strategy.integrations.data import loader_workers, time_dataloader
+from pace_strategy.integrations.data import forward_tokens, loader_workers, time_dataloader
 from pace_strategy.integrations.env import (
     ENV_PREFIX,
     NON_CONFIG_ENV,
@@ -115,8 +115,11 @@ class PacingHandle(PacingDriver):
         return _ATTACHED.get(id(self._model)) is self
 
     # The hooks' entry points.
-    def _begin(self, module: Any, args: Any) -> None:
+    def _begin(self, module: Any, args: Any, kwargs: Any) -> None:
         self.begin_forward()
+        tokens = forward_tokens(args, kwargs)
+        if tokens and self.session is not None:
+            self.session.pacer.add_tokens(tokens)
 
     def _batch_ready(self, session: PacingSession) -> None:
         self.begin_step()
@@ -285,7 +288,7 @@ def _register(
 ) -> None:
     """The step's hooks: a forward begins it (unless a batch did), the optimizer's step ends it."""
     undo = handle.on_detach  # undone in reverse order
-    undo(model.register_forward_pre_hook(handle._begin).remove)
+    undo(model.register_forward_pre_hook(handle._begin, with_kwargs=True).remove)
     # accelerate's optimizer wrapper steps the wrapped optimizer only where gradients synchronize.
     inner = getattr(optimizer, "optimizer", optimizer)
     undo(inner.register_step_post_hook(handle._end).remove)
