@@ -22,6 +22,12 @@ at the first and the last only); the default all-reduce is issued on the process
 and needs one Python callback per bucket (to turn the work's tensor list into the tensor DDP
 expects), the last bucket's also marking completion. On a CPU-starved machine that Python on gloo's
 thread costs about as much as torch's own ``allreduce_hook`` (docs/overhead.md).
+
+Both also time DDP's **buffer broadcast** (:class:`BufferSyncTimer`): with ``broadcast_buffers`` (the
+default) and a model that has buffers (BERT's position ids, BatchNorm's statistics), DDP broadcasts
+them from rank 0 at the start of every forward, a blocking collective in which an early rank waits
+for a late one. Counted as compute, that wait made a rank slow before its forward (an HF Trainer
+callback at ``on_step_begin``) look on time and its peers as slow as it.
 """
 
 # No ``from __future__ import annotations`` here: DDP checks the hook's annotations at run time.
@@ -40,6 +46,7 @@ from torch.utils.hooks import RemovableHandle
 from pace_strategy.core.pacer import Pacer
 
 __all__ = [
+    "BufferSyncTimer",
     "CommHook",
     "GradReadyMonitor",
     "PacedHookState",
@@ -65,12 +72,51 @@ class PacedHookState:
     inner_hook: CommHook | None
     inner_state: Any = None
     enabled: bool = True  #: ``False`` after :meth:`remove`: the hook only communicates
+    buffers: "BufferSyncTimer | None" = None  #: the model's buffer broadcast, timed
 
     def remove(self) -> None:
         """Stop timing and pacing. DDP cannot unregister a comm hook (it takes one per model, once),
         so the hook stays and only does the wrapped hook's communication; the model cannot be given
         another comm hook afterwards."""
         self.enabled = False
+        if self.buffers is not None:
+            self.buffers.remove()
+
+
+class BufferSyncTimer:
+    """Times DDP's broadcast of its buffers at the start of a forward as a framework sync
+    (:meth:`Pacer.enter_framework_sync`): a wait, not compute.
+
+    The one reach into DDP's private code for it: ``DistributedDataParallel._sync_buffers``, which
+    its forward calls when it will sync buffers (``tests/integration/test_ddp_hook.py`` pins it). The
+    wrapper is set on the model instance, so nothing else is touched; :meth:`remove` takes it off.
+    """
+
+    def __init__(self, model: DistributedDataParallel, pacer: Pacer) -> None:
+        self._model = model
+        found = getattr(model, "_sync_buffers", None)
+        self._installed = callable(found)
+        if found is None or not self._installed:
+            log.warning(
+                "pace_strategy: this torch's DDP has no _sync_buffers; its buffer broadcast is not timed"
+            )
+            return
+        sync: Callable[..., Any] = found
+
+        @functools.wraps(sync)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = pacer.enter_framework_sync()
+            try:
+                return sync(*args, **kwargs)
+            finally:
+                pacer.exit_framework_sync(start)
+
+        model._sync_buffers = timed  # type: ignore[method-assign]
+
+    def remove(self) -> None:
+        if self._installed:
+            self._installed = False
+            del self._model._sync_buffers
 
 
 def _first(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
@@ -142,7 +188,9 @@ def register_paced_hook(
         )
     if inner_hook is None and inner_state is None:
         inner_state = model.process_group
-    state = PacedHookState(pacer=pacer, inner_hook=inner_hook, inner_state=inner_state)
+    state = PacedHookState(
+        pacer=pacer, inner_hook=inner_hook, inner_state=inner_state, buffers=BufferSyncTimer(model, pacer)
+    )
     model.register_comm_hook(state=state, hook=paced_comm_hook)
     return state
 
@@ -187,6 +235,7 @@ class GradReadyMonitor:
         self._hooked: set[int] = set()
         self._handles: list[RemovableHandle] = []
         self._hook(len(self._params) - 1)
+        self._buffers = BufferSyncTimer(model, pacer)
 
     @property
     def hooked_parameters(self) -> tuple[int, ...]:
@@ -204,6 +253,7 @@ class GradReadyMonitor:
             handle.remove()
         self._handles.clear()
         self._hooked.clear()
+        self._buffers.remove()
 
     def _ready(self, index: int, param: torch.Tensor) -> None:
         if not self._model.require_backward_grad_sync:

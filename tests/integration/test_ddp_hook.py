@@ -197,7 +197,9 @@ BACKWARD_DELAY_MS = 20.0
 def _slow_backward(rank: int, out_dir: str) -> None:
     """Monitor only, each monitor in turn on its own DDP model (several buckets): rank 1's backward
     takes 20 ms longer, after the gradients of every layer but the first are ready; the forward and
-    the first gradient are on time on both ranks."""
+    the first gradient are on time on both ranks. Then (``late_forward``, the same processes) a model
+    with buffers, which DDP broadcasts from rank 0 at the start of every forward, and rank 1 20 ms late
+    to its forward (as an HF Trainer callback at on_step_begin): rank 0 waits for it in the broadcast."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from pace_strategy import Pacer, PacingConfig, attach_paced_ddp
@@ -206,11 +208,13 @@ def _slow_backward(rank: int, out_dir: str) -> None:
     from pace_strategy.testing.slow import InjectionPoint
 
     result = {}
-    for monitor in ("grad_ready", "comm_hook"):
+    for case in ("grad_ready", "comm_hook", "late_forward"):
+        monitor = "grad_ready" if case == "late_forward" else case
         torch.manual_seed(0)
         point = InjectionPoint()
+        norm = torch.nn.BatchNorm1d(64) if case == "late_forward" else torch.nn.Identity()
         net = torch.nn.Sequential(
-            torch.nn.Linear(16, 64), point, torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+            torch.nn.Linear(16, 64), point, norm, torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
             torch.nn.Linear(64, 4),
         )  # fmt: skip
         model = DDP(net, bucket_cap_mb=0.005)
@@ -229,7 +233,9 @@ def _slow_backward(rank: int, out_dir: str) -> None:
         for step in range(STEPS):
             x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
             pacer.begin_step(step)
-            if rank == 1:
+            if rank == 1 and case == "late_forward":
+                time.sleep(BACKWARD_DELAY_MS / 1e3)
+            elif rank == 1:
                 point.arm(0.0, BACKWARD_DELAY_MS)
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
@@ -239,10 +245,9 @@ def _slow_backward(rank: int, out_dir: str) -> None:
                 windows.append(window.gathered)
         windows += [w.gathered for w in pacer.flush()]
         handle.remove()
+        assert "_sync_buffers" not in model.__dict__  # the timer is off the model again
         gathered = torch.cat(windows, 1)[:, cfg.warmup_steps :]
-        result[monitor] = {
-            f.name: gathered[:, :, f] for f in (Field.WAIT_MS, Field.COMPUTE_MS, Field.BUCKETS)
-        }
+        result[case] = {f.name: gathered[:, :, f] for f in (Field.WAIT_MS, Field.COMPUTE_MS, Field.BUCKETS)}
     torch.save(result, os.path.join(out_dir, f"slow{rank}.pt"))
 
 
@@ -315,7 +320,7 @@ def test_a_rank_slow_late_in_backward_arrives_late_by_its_delay_under_both_monit
     # arrival would see rank 1 on time and put the 20 ms into rank 0's compute-free wait.
     _spawn(_slow_backward, tmp_path)
     run = torch.load(tmp_path / "slow0.pt")
-    for monitor, g in run.items():
+    for monitor, g in run.items():  # and late_forward: the wait in DDP's buffer broadcast is a wait
         lead = (g["WAIT_MS"][0] - g["WAIT_MS"][1]).median().item()  # rank 0 waits for rank 1
         late = (g["COMPUTE_MS"][1] - g["COMPUTE_MS"][0]).median().item()  # rank 1's own compute
         # A sleep is never shorter than asked and overshoots under load (22.8 ms for 20 in a loaded
@@ -327,6 +332,16 @@ def test_a_rank_slow_late_in_backward_arrives_late_by_its_delay_under_both_monit
         # the transfer time (the smallest wait) holds no backward compute
         assert g["WAIT_MS"][1].median().item() < 0.5 * BACKWARD_DELAY_MS, (monitor, g["WAIT_MS"])
     assert run["comm_hook"]["BUCKETS"].min().item() >= 2  # the first and the last bucket differ
+
+
+def test_ddp_s_buffer_sync_is_the_one_private_method_timed():
+    """The reach into DDP's private code (hooks/ddp.py, BufferSyncTimer): its forward syncs buffers
+    through ``_sync_buffers`` when it will sync them."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    assert "self._sync_buffers()" in inspect.getsource(DistributedDataParallel._pre_forward)
 
 
 def test_paced_matches_ddps_own_bits_at_three_ranks_under_both_monitors(tmp_path):
