@@ -57,7 +57,9 @@ def test_a_rank_slow_in_backward_is_a_persistent_straggler_late_by_its_delay(tmp
     )  # fmt: skip
     top = diagnose_json(run)["findings"][0]
     assert top["mode"] == "persistent_straggler" and top["ranks"] == [1], top
-    assert abs(top["details"]["late_ms"] - 16.0) <= 1.6, top["details"]  # within 10% of the injection
+    # at least the injection (a sleep is never shorter than asked), at most half again (a loaded
+    # machine overshoots it: 17.7 ms for 16 once), so not the 0 a first-gradient arrival reads
+    assert 0.9 * 16.0 <= top["details"]["late_ms"] <= 1.5 * 16.0, top["details"]
     assert top["details"]["compute_late_ms"] >= 0.9 * 16.0, top["details"]  # its own compute
 
 
@@ -69,7 +71,7 @@ def test_a_rank_slow_in_forward_and_backward_by_real_cpu_work(tmp_path):
     )  # fmt: skip
     top = diagnose_json(run)["findings"][0]
     assert top["mode"] == "persistent_straggler" and top["ranks"] == [1], top
-    assert abs(top["details"]["late_ms"] - 24.0) <= 2.4, top["details"]
+    assert 0.9 * 24.0 <= top["details"]["late_ms"] <= 1.5 * 24.0, top["details"]  # as the sleep above
 
 
 def test_transient_stragglers_are_sync_amplification(tmp_path):
