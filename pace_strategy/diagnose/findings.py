@@ -133,7 +133,7 @@ def diagnose_run(
             "the waits follow from the synchronous model (each rank waits for the slowest rank's compute, "
             "plus the collective's time where the table gives it)"
             if imported.get("waits") == "synchronous_model"
-            else "the waits are the table's"
+            else "the waits are as recorded there"
         )
         notes.append(f"imported from {imported.get('source')} ({imported.get('format')}): {how}")
     notes += [f"hang: {hang_text(h)}" for h in a.hangs]

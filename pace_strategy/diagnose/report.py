@@ -13,7 +13,7 @@ import numpy as np
 
 from pace_strategy.diagnose.config import DiagnosisConfig
 from pace_strategy.diagnose.digest import RunDigest, digest_run
-from pace_strategy.diagnose.result import Diagnosis, projection_text
+from pace_strategy.diagnose.result import Diagnosis, Mode, projection_text
 from pace_strategy.telemetry.arrays import RunLines
 
 __all__ = ["PLOTS", "render_report"]
@@ -43,6 +43,29 @@ def index_bars(ax: Any, values: list[float], label: str) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(max(len(values), 1), 16)))
     ax.set_xlim(-0.6, len(values) - 0.4)
     ax.set_xlabel(label)
+
+
+def _mark_episodes(ax: Any, a: RunLines, diagnosis: Diagnosis, digest: RunDigest) -> None:
+    """Outline each straggler episode's stretch on the heat map, on its ranks' rows (or their nodes')."""
+    from matplotlib.patches import Rectangle
+
+    labels = digest.heat_labels
+    nodes = [str(n) for n in a.topology("node_rank")]
+    edges = np.linspace(0, digest.steps, len(digest.heat) + 1).astype(int) if digest.heat_binned else None
+    for f in diagnosis.findings:
+        if f.mode is not Mode.STRAGGLER_EPISODE:
+            continue
+        rows = {labels.index(n) for r in f.ranks for n in (f"r{r}", f"node {nodes[r]}") if n in labels}
+        for episode in f.details.get("episodes", []):
+            first, last = (int(np.searchsorted(a.step, label)) for label in episode["steps"])
+            if edges is not None:
+                first, last = (int(np.searchsorted(edges, i, side="right")) - 1 for i in (first, last))
+            for row in rows:
+                ax.add_patch(
+                    Rectangle(
+                        (first - 0.5, row - 0.5), last - first + 1, 1, fill=False, edgecolor="red", lw=1.5
+                    )
+                )
 
 
 def _figures(a: RunLines, cfg: DiagnosisConfig, diagnosis: Diagnosis, digest: RunDigest) -> dict[str, bytes]:
@@ -85,6 +108,7 @@ def _figures(a: RunLines, cfg: DiagnosisConfig, diagnosis: Diagnosis, digest: Ru
     ax.set_ylabel("rank (grouped by node)" if len(labels) == a.world_size else "node (mean over its ranks)")
     ax.set_title("Lead per rank (ms early at the sync point; 0 = straggler)")
     fig.colorbar(im, ax=ax, label="lead ms")
+    _mark_episodes(ax, a, diagnosis, digest)
     save("lead_heatmap", fig)
 
     counts = np.bincount(digest.straggler, minlength=a.world_size) / max(a.steps, 1)

@@ -195,3 +195,28 @@ def test_the_same_shard_slow_in_every_replica_is_locality_by_mesh_coordinate():
     top = diagnose(a, project_ranks=None).findings[0]
     assert top.mode == "locality" and top.ranks == [1, 5], top.evidence
     assert top.details["mesh_key"] == "dp_shard" and "dp_shard coordinate 1 in every replica" in top.evidence
+
+
+def test_the_report_outlines_an_episode_on_its_rank_s_row_of_the_heat_map(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pace_strategy.diagnose import DiagnosisConfig, diagnose_run
+    from pace_strategy.diagnose.report import _mark_episodes, render_report
+
+    rng = np.random.default_rng(7)
+    c = jittered(rng, 3000, 8)
+    c[1400:1530, 3] *= 1.35
+    a = arrays(c)
+    cfg = DiagnosisConfig()
+    d, digest = diagnose_run(a, cfg, project_ranks=None)
+    fig, ax = plt.subplots()
+    _mark_episodes(ax, a, d, digest)
+    (box,) = ax.patches
+    # 3,000 steps in 1,000 bins of 3: steps 1400-1529 are bins 466-509 (within one bin)
+    assert abs(box.get_x() + 0.5 - 1400 / 3) <= 1 and abs(box.get_width() - 130 / 3) <= 2
+    assert box.get_y() + 0.5 == digest.heat_labels.index("r3")
+    plt.close(fig)
+    assert (render_report(a, d, tmp_path, cfg, digest)["lead_heatmap"]).stat().st_size > 0
