@@ -411,6 +411,13 @@ def straggler_episode(run: RunStats, explained: set[int]) -> list[Finding]:
     out = []
     for ranks, spans in by_ranks.items():
         members = list(ranks)
+        # Late over most of the run in several stretches is a persistent straggler with pauses (the
+        # one-rank check's); one stretch from a change point to either end of the record is an
+        # episode however long (on time, then slow to the end).
+        covered = sum(last - first + 1 for first, last in spans) / max(run.S, 1)
+        one_change = len(spans) == 1 and (spans[0][0] == 0 or spans[0][1] == run.S - 1)
+        if covered >= run.cfg.persistent_share and not one_change:
+            continue
         run_mask = np.zeros(run.S, dtype=bool)
         scope = np.zeros(run.S, dtype=bool)
         parts: list[dict[str, Any]] = []

@@ -220,3 +220,13 @@ def test_the_report_outlines_an_episode_on_its_rank_s_row_of_the_heat_map(tmp_pa
     assert box.get_y() + 0.5 == digest.heat_labels.index("r3")
     plt.close(fig)
     assert (render_report(a, d, tmp_path, cfg, digest)["lead_heatmap"]).stat().st_size > 0
+
+
+def test_a_persistent_straggler_with_pauses_is_not_an_episode():
+    rng = np.random.default_rng(10)
+    c = jittered(rng, 3000, 8)
+    slow = np.ones(3000, dtype=bool)
+    slow[[*range(700, 760), *range(1900, 1990)]] = False  # on time for two short stretches
+    c[slow, 6] *= 1.3
+    top = diagnose(arrays(c), project_ranks=None).findings[0]
+    assert top.mode == "persistent_straggler" and top.ranks == [6], top.evidence
