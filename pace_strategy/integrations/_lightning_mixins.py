@@ -151,7 +151,7 @@ class PacedStrategyMixin(_StrategyBase):
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         # The last strategy event before the batch's compute: the step starts here.
-        self.pacing.begin_batch()
+        self.pacing.begin_batch(batch)
         return cast(_StrategyHooks, super()).batch_to_device(batch, device, dataloader_idx)
 
     @override

@@ -34,7 +34,7 @@ from pace_strategy.driver import PacingDriver
 from pace_strategy.hooks.ddp import CommHook, attach_paced_ddp
 from pace_strategy.integrations._preemption import SigtermHandler
 from pace_strategy.integrations.dashboard import custom_scalars_sink, tensorboard_loggers
-from pace_strategy.integrations.data import loader_workers, time_dataloader
+from pace_strategy.integrations.data import forward_tokens, loader_workers, time_dataloader
 from pace_strategy.integrations.env import (
     PacingArg,
     as_pacing_config,
@@ -298,11 +298,15 @@ class StrategyPacing(PacingDriver):
             return None
         return module.trainer
 
-    def begin_batch(self) -> None:
+    def begin_batch(self, batch: Any = None) -> None:
         """A training batch goes to the device: the step starts, at the trainer's global step (a
-        batch of validation or the others begins nothing)."""
+        batch of validation or the others begins nothing), and takes the batch's tokens (its
+        ``input_ids``, where it has them; summed over an accumulated step's micro-batches)."""
         if (trainer := self._training()) is not None:
             self.begin_step(trainer.global_step)
+            tokens = forward_tokens((batch,), {})
+            if tokens and self.session is not None:
+                self.session.pacer.add_tokens(tokens)
 
     def time_dataloader(self, dataloader: object) -> None:
         """Count the time a training loader's iterators block as this rank's data wait (only while

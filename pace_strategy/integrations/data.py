@@ -17,13 +17,15 @@ __all__ = ["DataWaitHook", "forward_tokens", "loader_workers", "time_dataloader"
 
 
 def forward_tokens(args: Any, kwargs: Any) -> int:
-    """The tokens a forward computes on: the size of its ``input_ids`` (a keyword argument, as Hugging
-    Face models take it, or the first positional integer tensor), padding included, since a padded
-    batch computes on every position; 0 when it has none. Read from the shape only: never a device
-    synchronization."""
+    """The tokens a forward (or a batch, as ``(batch,)``) computes on: the size of its ``input_ids``
+    (a keyword argument, as Hugging Face models take it; a batch dict's; the first positional integer
+    tensor, or the first element of a tuple batch), padding included, since a padded batch computes on
+    every position; 0 when it has none. Read from the shape only: never a device synchronization."""
     ids = kwargs.get("input_ids") if isinstance(kwargs, dict) else None
     if ids is None and args:
         first = args[0]
+        if isinstance(first, (tuple, list)) and first:
+            first = first[0]
         if isinstance(first, dict):
             ids = first.get("input_ids")
         elif getattr(first, "dtype", None) in (torch.int64, torch.int32):

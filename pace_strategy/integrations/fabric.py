@@ -33,7 +33,7 @@ from pace_strategy.hooks.ddp import attach_paced_ddp
 from pace_strategy.integrations._arguments import parent_arguments
 from pace_strategy.integrations._lightning_mixins import StrategyRegistry, register_paced_ddp
 from pace_strategy.integrations.dashboard import custom_scalars_sink, tensorboard_loggers
-from pace_strategy.integrations.data import loader_workers, time_dataloader
+from pace_strategy.integrations.data import forward_tokens, loader_workers, time_dataloader
 from pace_strategy.integrations.env import (
     PacingArg,
     as_pacing_config,
@@ -101,7 +101,7 @@ class FabricPacing(PacingDriver):
         if self.rebalance is not None:  # its loader was set up before the model
             self.rebalance.attach(session.pacer)
             session.register_state(STATE_NAME, self.rebalance)
-        model.register_forward_pre_hook(self._forward)
+        model.register_forward_pre_hook(self._forward, with_kwargs=True)
         if rank == 0:
             log.info("pace_strategy: %s mode, run record %s", self.config.mode, session.record_path or "off")
 
@@ -122,9 +122,11 @@ class FabricPacing(PacingDriver):
     # itself, at its first training forward; it ends after the optimizer step. So an accumulated step
     # spans all its micro-batches (``begin_step`` is ignored while one is open), and only steps with an
     # optimizer step, the synchronizing ones under ``fabric.no_backward_sync``, count.
-    def _forward(self, module: nn.Module, args: Any) -> None:
+    def _forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if (session := self._live()) is not None:
             self.begin_forward(session.pacer.steps_seen)
+            if tokens := forward_tokens(args, kwargs):
+                session.pacer.add_tokens(tokens)
         else:
             self.interrupt()  # evaluation: the next step does not follow this one
 

@@ -109,5 +109,6 @@ def test_a_forward_counts_the_tokens_of_its_input_ids():
     assert forward_tokens((), {"input_ids": ids, "attention_mask": torch.ones(4, 37)}) == 148
     assert forward_tokens((ids,), {}) == 148  # positional token ids
     assert forward_tokens(({"input_ids": ids},), {}) == 148  # a batch dict
+    assert forward_tokens(((ids, torch.zeros(4)),), {}) == 148  # a tuple batch: its first element
     assert forward_tokens((torch.randn(4, 16),), {}) == 0  # features, not tokens
     assert forward_tokens((), {}) == 0
