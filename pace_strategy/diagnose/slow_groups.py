@@ -29,6 +29,8 @@ __all__ = [
     "straggler_episode",
 ]
 
+#: the mesh dimensions a record's topology may give each rank (absent dimensions omitted)
+MESH_KEYS = ("dp_replicate", "dp_shard", "dp", "tp", "pp", "cp")
 #: topology fields a slow group may share (a host, a node, a GPU model, one physical GPU, a NUMA
 #: node, a CPU quota or affinity, a mesh coordinate); each is compared where the record has it
 SHARED_KEYS = (
@@ -41,11 +43,7 @@ SHARED_KEYS = (
     "cpu_affinity",
     "usable_cores",
     "cpu_quota",
-    "dp_replicate",
-    "dp_shard",
-    "tp",
-    "pp",
-    "cp",
+    *MESH_KEYS,
 )
 
 
@@ -90,14 +88,16 @@ class _Recovery:
 
 def _recovery(run: RunStats, group: list[int]) -> _Recovery:
     s = run.digest.sample
-    bulk = [r for r in range(run.W) if r not in group]
+    bulk = np.ones(run.W, dtype=bool)
+    bulk[group] = False
     step = s.step_ms
     total = float(step.sum())
     # Synchronous model: the step ends when the last rank arrives plus the transfer, so the latest
-    # arrival moves from the group's to the bulk's: the smallest wait over the bulk minus over all.
-    saved = s.wait[:, bulk].min(axis=1) - s.wait.min(axis=1)
+    # arrival moves from the group's to the bulk's: the smallest wait over the bulk minus over all
+    # (read in place: a copy of the bulk's columns is 320 MB at 5,000 sampled steps x 8,192 ranks).
+    saved = np.min(s.wait, axis=1, where=bulk[None, :], initial=np.inf) - s.wait.min(axis=1)
     exclude = float(saved.sum()) / total if total > 0 else 0.0
-    throughput = (len(bulk) / run.W) / max(1.0 - exclude, EPSILON)
+    throughput = (int(bulk.sum()) / run.W) / max(1.0 - exclude, EPSILON)
     compute = np.median(s.compute, axis=0)
     slowest = float(compute.max())
     split: list[int] | None = None
@@ -116,10 +116,6 @@ def _recovery(run: RunStats, group: list[int]) -> _Recovery:
     median_step = float(np.median(step)) if len(step) else 0.0
     rebalance = (slowest - balanced) / median_step if median_step > 0 else 0.0
     return _Recovery(exclude, throughput, max(0.0, rebalance), split)
-
-
-#: the mesh dimensions a record's topology may give each rank (absent dimensions omitted)
-MESH_KEYS = ("dp_replicate", "dp_shard", "dp", "tp", "pp", "cp")
 
 
 def mesh_of(run: RunStats) -> dict[str, list[Any]]:
