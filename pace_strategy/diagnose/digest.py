@@ -11,7 +11,10 @@ median of the others', and, per run, what a few statistics need:
   (optimizer step and input) and the framework's loop between steps: the straggler's value and the
   other ranks' median; the other ranks' median wait, also without the straggler's whole local-index
   group (the locality check); its GC time and host-bound flag;
-- per rank (``[W]``): the mean and standard deviation of its compute over the run;
+- per rank (``[W]``): the mean and standard deviation of its compute over the run, and how often
+  and by how much it arrived later than the step's median arrival (the slow-group check);
+- each rank's (a node's, above ``max_heatmap_rows`` ranks) lateness binned over steps as the heat map
+  bins them (the straggler-episode check);
 - the steps a statistic samples, whole rows: the jitter floor's (up to 20,000 steps; reduced to the
   floor in place when the pass ends), the growth curve's (up to 5,000), the projection's calibration
   (``projection_calibration_steps``), which the per-sample speed reads too; for a run shorter than a
