@@ -12,6 +12,8 @@ calibrate`), unpaced, on a seeded subsample of the record's steps. Per finding, 
 - ``ranks``: what the named ranks cost: the waiting (ms per step) minus the waiting of the same job
   with those ranks behaving like the others (the same random draws, so the difference is the
   ranks'), over the step with them;
+- ``step``: the step time the named ranks add (a slow group, a pipeline stage): the mean step minus
+  the mean step of the same job with those ranks behaving like the others, over the step with them;
 - ``transfer`` / ``transfer_variable``: the collective's time (or its part above its 5th
   percentile) at R ranks, scaled like the ring all-reduce, as a share of the simulated step.
 """
@@ -84,7 +86,7 @@ def project(
 
     base = {n: run(n) for n in sizes}
     now = run(cal.ranks)
-    named = sorted({r for f in findings if f.projection_basis == "ranks" for r in f.ranks})
+    named = sorted({r for f in findings if f.projection_basis in ("ranks", "step") for r in f.ranks})
     rest = {n: run(n, named) for n in sizes} if named else base
     transfer_mean = float(cal.transfer_ms.mean())
     transfer_variable = float(
@@ -96,7 +98,10 @@ def project(
         points = []
         for n in sizes:
             plain = base[n]
-            if f.projection_basis == "ranks" and f.ranks:
+            if f.projection_basis == "step" and f.ranks:
+                fixed = run(n, f.ranks)
+                cost = (plain.mean_step_ms - fixed.mean_step_ms) / plain.mean_step_ms
+            elif f.projection_basis == "ranks" and f.ranks:
                 # waiting in ms per step with and without them, over today's step: the shares do not
                 # subtract, since fixing the ranks also shortens the step
                 fixed = run(n, f.ranks)

@@ -53,9 +53,10 @@ class Finding:
     #: share of the run's step time the finding covers (a straggler episode: its stretches); it is worth
     #: acting on by its excess over that part of the run, not over the whole
     scope_fraction: float = 1.0
-    #: what the projection simulates: the job's whole ``waiting``, what the named ``ranks`` cost, or the
-    #: collective's time (``transfer``, or its part above its best case, ``transfer_variable``)
-    projection_basis: Literal["waiting", "ranks", "transfer", "transfer_variable"] = "waiting"
+    #: what the projection simulates: the job's whole ``waiting``, the waiting the named ``ranks`` cost,
+    #: the ``step`` time they add (a slow group, a stage), or the collective's time (``transfer``, or its
+    #: part above its best case, ``transfer_variable``)
+    projection_basis: Literal["waiting", "ranks", "step", "transfer", "transfer_variable"] = "waiting"
     #: ``[{"ranks": R, "lost_fraction": x}, ...]``: this problem's share of step time at R ranks
     projection: list[dict[str, float]] = field(default_factory=list)
 

@@ -300,7 +300,7 @@ def slow_group(run: RunStats, explained: set[int]) -> list[Finding]:
             confidence=float(np.mean([late_share[r] for r in members])),
             lost_step_fraction=recovery.exclude_step_fraction,
             noise_floor_fraction=jitter,
-            projection_basis="ranks",
+            projection_basis="step",
             evidence=evidence,
             action=action,
             details=details,
