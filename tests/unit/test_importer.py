@@ -361,3 +361,38 @@ def test_bad_traces_are_named(tmp_path, files, message):
     with pytest.raises(TableImportError, match=message):
         import_traces(traces, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_an_arrow_record_of_a_table_is_diagnosed_as_its_json_lines(tmp_path):
+    pytest.importorskip("pyarrow")
+    rng = np.random.default_rng(46)
+    compute = rng.gamma(400.0, 0.25, (200, 12))
+    compute[:, [2, 9]] *= 1.15
+    table = worker_table(tmp_path / "t.csv", compute)
+    assert pace(["import", "table", str(table), str(tmp_path / "arrow"), "--format", "arrow"]) == 0
+    import_table(table, tmp_path / "jsonl")
+    assert (tmp_path / "arrow" / "pace_run.ranks.arrow").exists()
+    a, b = load_arrays(tmp_path / "arrow"), load_arrays(tmp_path / "jsonl")
+    np.testing.assert_allclose(a.wait, b.wait) and np.testing.assert_allclose(a.compute, b.compute)
+    da, db = diagnose(a, project_ranks=None), diagnose(b, project_ranks=None)
+    assert [(f.mode, f.ranks) for f in da.findings] == [(f.mode, f.ranks) for f in db.findings]
+    assert da.findings[0].ranks == [2, 9]
+
+
+def test_a_table_larger_than_a_chunk_is_read_across_chunks(tmp_path, monkeypatch):
+    """Rows are read a chunk at a time: a table of several chunks, its rows in rank-major order (each
+    chunk holding a few ranks' steps), gives the arrays of the whole, and a duplicate in a later
+    chunk is named with its line."""
+    from pace_strategy.telemetry import importer
+
+    monkeypatch.setattr(importer, "_CHUNK_ROWS", 7)
+    rng = np.random.default_rng(47)
+    compute = rng.gamma(400.0, 0.25, (10, 4))
+    table = worker_table(tmp_path / "t.csv", compute, hosts=["a", "a", "b", "b"])
+    t = importer.read_table(table)
+    np.testing.assert_allclose(t.values["compute_ms"], compute, atol=1e-3)
+    assert [p["host"] for p in t.placement] == ["a", "a", "b", "b"]
+    lines = table.read_text().splitlines()
+    (tmp_path / "dup.csv").write_text("\n".join([*lines, lines[5]]) + "\n")
+    with pytest.raises(TableImportError, match=f"line {len(lines) + 1}: rank 0 step 4 appears twice"):
+        importer.read_table(tmp_path / "dup.csv")
