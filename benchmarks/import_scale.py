@@ -9,7 +9,6 @@ process whose peak resident memory is read back. Not a test; prints what it meas
 from __future__ import annotations
 
 import argparse
-import resource
 import subprocess
 import sys
 import tempfile
@@ -49,10 +48,17 @@ def write_table(path: Path, steps: int, ranks: int, csv: bool) -> None:
 
 
 def child(command: list[str]) -> tuple[float, float]:
-    """Run ``command``; its wall time (s) and the peak resident memory of this script's children (GB)."""
+    """Run ``command`` under a wrapper process of its own; its wall time (s) and its peak resident
+    memory (GB, the wrapper's children's, so each command is measured alone)."""
+    wrapper = (
+        "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, "
+        "stdout=subprocess.DEVNULL); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    )
     started = time.monotonic()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    return time.monotonic() - started, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6
+    out = subprocess.run(
+        [sys.executable, "-c", wrapper, *command], check=True, capture_output=True, text=True
+    )
+    return time.monotonic() - started, int(out.stdout.split()[-1]) / 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         seconds, peak = child([*cli, "diagnose", str(out), "--no-report", "--project-ranks", ""])
-        print(f"pace diagnose: {seconds:.0f} s (peak of both children {peak:.1f} GB)", flush=True)
+        print(f"pace diagnose: {seconds:.0f} s, peak {peak:.1f} GB resident", flush=True)
     return 0
 
 

@@ -237,10 +237,11 @@ class _Rows:
         """The chunk's ranks and steps, checked, and ``values`` (its other columns, converted) kept;
         returns the ranks."""
         p = self.path
-        rank = _numbers(p, chunk, "rank", integer=True).astype(np.int64)
+        rank = _numbers(p, chunk, "rank", integer=True).astype(np.int32)
         step = _numbers(p, chunk, "step", integer=True).astype(np.int64)
         self._check_placement(chunk, rank)
-        for name, x in (("rank", rank), ("step", step), *values.items()):
+        columns: dict[str, np.ndarray] = {"rank": rank, "step": step, **values}
+        for name, x in columns.items():
             self.parts.setdefault(name, []).append(x)
         return rank
 
@@ -277,7 +278,9 @@ class _Rows:
             self.first_row[r] = chunk.where(i)
 
     def column(self, name: str) -> np.ndarray:
-        parts = self.parts.get(name, [])
+        """Every row's ``name``, once: its chunks are let go as they are joined (at 100M rows each
+        column is 0.4-0.8 GB, and a second copy of every one would hold them twice)."""
+        parts = self.parts.pop(name, [])
         return np.concatenate(parts) if parts else np.zeros(0)
 
     def grid(self) -> tuple[np.ndarray, int, np.ndarray, np.ndarray]:
@@ -293,7 +296,9 @@ class _Rows:
                 f"{p}: column 'rank': ranks must be 0..{world - 1} with none missing; rank {gap} has no row"
             )
         steps, index = np.unique(self.column("step"), return_inverse=True)
-        cell = index * world + self.column("rank")
+        cell = index * world
+        cell += self.column("rank")
+        del index
         counts = np.bincount(cell, minlength=len(steps) * world)
         empty = np.flatnonzero(counts == 0)
         if len(empty):
@@ -461,7 +466,7 @@ class _Derived:
 
     compute: np.ndarray
     wait: np.ndarray
-    data: np.ndarray
+    data: np.ndarray | None  #: None: not in the table
     step_ms: np.ndarray  #: [steps]
     waits: str  #: "recorded" or "synchronous_model"
 
@@ -493,7 +498,7 @@ def derive(t: _Table) -> _Derived:
     return _Derived(
         compute=np.clip(compute, 0.0, None),
         wait=np.clip(wait, 0.0, None),
-        data=data if data is not None else np.zeros_like(compute),
+        data=data,
         step_ms=np.maximum(step_ms, end),
         waits=how,
     )
@@ -526,7 +531,7 @@ def _summaries(t: _Table, d: _Derived) -> Iterator[StepSummary]:
             wait_ms=tuple(w.tolist()),
             delay_ms=zeros,
             rank_step_ms=(float(d.step_ms[i]),) * world,
-            data_ms=tuple(d.data[i].tolist()),
+            data_ms=tuple(d.data[i].tolist()) if d.data is not None else zeros,
             gap_ms=zeros,
             buckets=1,
             samples=tuple(int(x) for x in samples[i]) if samples is not None else (),
