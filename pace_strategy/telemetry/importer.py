@@ -295,10 +295,9 @@ class _Rows:
             raise TableImportError(
                 f"{p}: column 'rank': ranks must be 0..{world - 1} with none missing; rank {gap} has no row"
             )
-        steps, index = np.unique(self.column("step"), return_inverse=True)
-        cell = index * world
+        steps, cell = _step_index(self.column("step"))
+        cell *= world
         cell += self.column("rank")
-        del index
         counts = np.bincount(cell, minlength=len(steps) * world)
         empty = np.flatnonzero(counts == 0)
         if len(empty):
@@ -310,6 +309,23 @@ class _Rows:
                 "every rank (drop the step from the table, or fill it)"
             )
         return steps, world, cell, counts
+
+
+def _step_index(step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct steps (ascending) and each row's index among them, computed in place of ``step``.
+    Step labels are nearly contiguous in practice: a table of present labels then takes the place of
+    a sort (which held three more copies of the column: 2.4 GB at 100M rows)."""
+    lo, hi = int(step.min()), int(step.max())
+    if hi - lo + 1 > 4 * len(step):  # sparse labels: sort
+        steps, index = np.unique(step, return_inverse=True)
+        return steps, index.astype(np.int64)
+    step -= lo
+    present = np.zeros(hi - lo + 1, dtype=bool)
+    present[step] = True
+    place = np.cumsum(present) - 1
+    steps = np.flatnonzero(present) + lo
+    np.take(place, step, out=step)
+    return steps, step
 
 
 def read_table(path: str | os.PathLike[str]) -> _Table:

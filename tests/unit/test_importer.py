@@ -396,3 +396,11 @@ def test_a_table_larger_than_a_chunk_is_read_across_chunks(tmp_path, monkeypatch
     (tmp_path / "dup.csv").write_text("\n".join([*lines, lines[5]]) + "\n")
     with pytest.raises(TableImportError, match=f"line {len(lines) + 1}: rank 0 step 4 appears twice"):
         importer.read_table(tmp_path / "dup.csv")
+
+
+def test_step_labels_with_gaps_are_kept_as_recorded(tmp_path):
+    rows = [[r, s, 10.0 + r] for s in (7, 3, 500, 12) for r in range(2)]  # a sampled export, any order
+    table = write_csv(tmp_path / "t.csv", ["rank", "step", "compute_ms"], rows)
+    import_table(table, tmp_path / "run")
+    a = load_arrays(tmp_path / "run")
+    assert a.step.tolist() == [3, 7, 12, 500] and np.allclose(a.compute, [[10.0, 11.0]] * 4)
