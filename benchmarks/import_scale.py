@@ -9,6 +9,7 @@ process whose peak resident memory is read back. Not a test; prints what it meas
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
@@ -90,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         seconds, peak = child([*cli, "diagnose", str(out), "--no-report", "--project-ranks", ""])
         print(f"pace diagnose: {seconds:.0f} s, peak {peak:.1f} GB resident", flush=True)
+        found = subprocess.run(
+            [*cli, "diagnose", str(out), "--json", "--no-report", "--project-ranks", ""],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        top = json.loads(found.stdout)["findings"][0]
+        print(f"  first finding: {top['mode']} ranks {top['ranks']} (injected: rank {args.ranks // 2})")
     return 0
 
 
