@@ -105,6 +105,8 @@ class BufferSyncTimer:
 
         @functools.wraps(sync)
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if not (model.training and torch.is_grad_enabled()):
+                return sync(*args, **kwargs)  # an evaluation forward's: no training step's wait
             start = pacer.enter_framework_sync()
             try:
                 return sync(*args, **kwargs)
