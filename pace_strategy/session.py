@@ -714,7 +714,7 @@ class PacingSession:
     def _on_hang(self, report: HangReport) -> None:
         """Watchdog thread, once ranks are named: rank 0 records the hang and its evidence
         (``RUN_DIR/hang/``: every live rank's stacks, where each rank stood, the Flight Recorder).
-        With ``hang_action="abort"``: rank 0 closes the record (status ``hung``) first, the ranks on
+        With ``hang.action="abort"``: rank 0 closes the record (status ``hung``) first, the ranks on
         this host whose heartbeat stopped are ended (SIGKILL: a stopped process holds its launcher's
         pipes), every rank stays until rank 0 has the evidence (a rank that left first would break
         rank 0's collective) and the process exits, since a thread cannot raise into a training thread
@@ -780,7 +780,7 @@ class PacingSession:
         return PaceHangError(
             self.rank,
             self.world_size,
-            f"{text}; hung: {who}; aborted (hang_action='abort')",
+            f"{text}; hung: {who}; aborted (hang.action='abort')",
             ranks=tuple(report.ranks),
             hosts=tuple(line["hosts"]),
             pids=tuple(line["pids"]),

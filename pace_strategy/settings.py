@@ -91,7 +91,7 @@ def build(cls: type[T], values: Mapping[str, Any] | None, where: str = "") -> T:
         _wrong(where.rstrip(".") or cls.__name__, values, f"a mapping of {cls.__name__} fields")
     values = dict(values or {})
     normalize = getattr(cls, "normalize_mapping", None)
-    if normalize is not None:  # e.g. PacingConfig: the flat names of earlier versions, moved into groups
+    if normalize is not None:  # e.g. PacingConfig: a bare switch for a group read as its ``enabled``
         values = normalize(values, where)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     hints = typing.get_type_hints(cls)

@@ -6,7 +6,6 @@ import dataclasses
 import difflib
 import functools
 import math
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, get_args
@@ -14,7 +13,6 @@ from typing import Any, ClassVar, Literal, get_args
 from pace_strategy.core.errors import PacingConfigError
 
 __all__ = [
-    "FLAT_NAMES",
     "GROUPS",
     "SWITCHED_GROUPS",
     "DDPMonitor",
@@ -26,7 +24,7 @@ __all__ = [
     "RebalanceConfig",
     "check_known_keys",
     "doc",
-    "nest_flat_names",
+    "nest_switches",
     "recorded_switch",
 ]
 
@@ -244,52 +242,24 @@ class GcSyncConfig(_Group):
 
 #: the nested groups of :class:`PacingConfig`, by field name
 GROUPS: dict[str, type[Any]] = {"hang": HangConfig, "rebalance": RebalanceConfig, "gc_sync": GcSyncConfig}
-#: the flat names of earlier versions (``rebalance_quantum``) -> (group, field) (``rebalance.quantum``);
-#: still read, with a DeprecationWarning naming the new key
-FLAT_NAMES: dict[str, tuple[str, str]] = {
-    **{f"hang_{f.name}": ("hang", f.name) for f in fields(HangConfig)},
-    **{f"rebalance_{f.name}": ("rebalance", f.name) for f in fields(RebalanceConfig) if f.name != "enabled"},
-    **{f"gc_sync_{f.name}": ("gc_sync", f.name) for f in fields(GcSyncConfig) if f.name != "enabled"},
-}
 #: groups whose ``enabled`` switch a bare boolean stands for (``rebalance=True``)
 SWITCHED_GROUPS = ("rebalance", "gc_sync")
 
 
 def recorded_switch(config: Mapping[str, Any] | None, group: str) -> bool:
     """Whether a run record's header ``config`` had ``group`` (``rebalance``, ``gc_sync``) on:
-    ``{"rebalance": {"enabled": ...}}``, or a bare switch in records written before the nesting."""
+    ``{"rebalance": {"enabled": ...}}``."""
     value = (config or {}).get(group) if isinstance(config, Mapping) else None
-    return bool(value.get("enabled")) if isinstance(value, Mapping) else bool(value)
+    return bool(value.get("enabled")) if isinstance(value, Mapping) else False
 
 
-def nest_flat_names(values: Mapping[str, Any], where: str = "", *, warn: bool = True) -> dict[str, Any]:
-    """``values`` with the flat names of earlier versions moved into their groups (a
-    DeprecationWarning names the new key, unless ``warn`` is off: reading an old run record) and a
-    bare boolean for ``rebalance`` / ``gc_sync`` turned into ``{"enabled": ...}``. Groups stay
-    mappings (or the group objects they were)."""
+def nest_switches(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with a bare boolean for ``rebalance`` / ``gc_sync`` turned into ``{"enabled": ...}``;
+    groups stay mappings (or the group objects they were)."""
     out = dict(values)
     for group in SWITCHED_GROUPS:
         if isinstance(out.get(group), bool):
             out[group] = {"enabled": out[group]}
-    for flat, (group, key) in FLAT_NAMES.items():
-        if flat not in out:
-            continue
-        if warn:
-            warnings.warn(
-                f"pace_strategy: the pacing config key {where}{flat!s} is deprecated; use "
-                f"{where}{group}.{key} (in Python: {group}={GROUPS[group].__name__}({key}=...))",
-                DeprecationWarning,
-                stacklevel=4,
-            )
-        current = out.get(group)
-        nested = dataclasses.asdict(current) if isinstance(current, _Group) else dict(current or {})  # type: ignore[call-overload]
-        if key in nested and nested[key] != out[flat]:
-            raise PacingConfigError(
-                f"pacing config: {where}{flat}={out[flat]!r} and {where}{group}.{key}={nested[key]!r} "
-                f"both set the same field. Keep {where}{group}.{key} only."
-            )
-        nested[key] = out.pop(flat)
-        out[group] = nested
     return out
 
 
@@ -599,23 +569,11 @@ class PacingConfig:
                 f"{self.max_delay_ms!r}; no delay could ever be applied. Set min_delay_ms <= max_delay_ms."
             )
 
-    def __getattr__(self, name: str) -> Any:
-        # the flat names of earlier versions, read (only called for names the instance lacks)
-        if name in FLAT_NAMES:
-            group, key = FLAT_NAMES[name]
-            warnings.warn(
-                f"pace_strategy: PacingConfig.{name} is deprecated; use PacingConfig.{group}.{key}",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            return getattr(getattr(self, group), key)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
     @classmethod
     def normalize_mapping(cls, values: Mapping[str, Any], where: str = "") -> dict[str, Any]:
-        """A mapping of fields (YAML, environment, ``pacing={...}``) with the flat names of earlier
-        versions moved into their groups (a DeprecationWarning names the new key)."""
-        return nest_flat_names(values, where)
+        """A mapping of fields (YAML, environment, ``pacing={...}``) with a bare switch for a group
+        (``rebalance: true``) read as its ``enabled``."""
+        return nest_switches(values)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -640,19 +598,16 @@ class PacingConfig:
         return {f.name: f.metadata.get("doc", "") for f in fields(cls)}
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any] | None, *, warn: bool = True) -> PacingConfig:
-        """Build a config from a mapping (YAML section, environment, CLI); unknown keys are errors.
-
-        ``None`` or an empty mapping gives the defaults. The flat names of earlier versions
-        (``rebalance_quantum``) are read into their groups, with a DeprecationWarning unless ``warn``
-        is off (a run record written by an earlier version).
-        """
+    def from_dict(cls, values: Mapping[str, Any] | None) -> PacingConfig:
+        """Build a config from a mapping (YAML section, environment, CLI, a run record's header);
+        unknown keys are errors naming the nearest field. ``None`` or an empty mapping gives the
+        defaults."""
         if values is not None and not isinstance(values, Mapping):
             raise PacingConfigError(
                 f"PacingConfig values={values!r} are invalid: expected a mapping of field names to values "
                 "(e.g. {'mode': 'monitor'})."
             )
-        values = nest_flat_names(values or {}, warn=warn)
+        values = nest_switches(values or {})
         check_known_keys(values, cls.field_names(), "pacing config field")
         return cls(**values)
 
@@ -704,18 +659,16 @@ def _number(
         _fail(_display(cfg, name), value, f"a finite number {lo}{hi}")
 
 
-def _accept_flat_names(init: Any) -> Any:
-    """``PacingConfig(rebalance_quantum=4)`` as earlier versions took it: the flat names are moved
-    into their groups (with a DeprecationWarning naming the new key) before the dataclass's own
-    ``__init__`` runs."""
+def _check_keywords(init: Any) -> Any:
+    """``PacingConfig(unknown=...)`` fails as a misspelled key of a mapping does, naming the nearest
+    field (the dataclass's own ``__init__`` would raise a bare ``TypeError``)."""
 
     @functools.wraps(init)
     def __init__(self: PacingConfig, **kwargs: Any) -> None:
-        if any(name in FLAT_NAMES for name in kwargs):
-            kwargs = nest_flat_names(kwargs)
+        check_known_keys(kwargs, PacingConfig.field_names(), "PacingConfig argument")
         init(self, **kwargs)
 
     return __init__
 
 
-PacingConfig.__init__ = _accept_flat_names(PacingConfig.__init__)  # type: ignore[method-assign]
+PacingConfig.__init__ = _check_keywords(PacingConfig.__init__)  # type: ignore[method-assign]

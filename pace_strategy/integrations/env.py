@@ -25,12 +25,11 @@ import os
 import re
 import time
 import typing
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeAlias
 
-from pace_strategy.core.config import FLAT_NAMES, GROUPS, SWITCHED_GROUPS, PacingConfig, check_known_keys
+from pace_strategy.core.config import GROUPS, SWITCHED_GROUPS, PacingConfig, check_known_keys
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.settings import build
 
@@ -75,10 +74,6 @@ def _env_fields() -> dict[str, str]:
     return out
 
 
-#: the flat variables of earlier versions (``PACE_REBALANCE_QUANTUM``) -> the field they set
-_LEGACY_ENV = {env_name(flat): f"{group}.{key}" for flat, (group, key) in FLAT_NAMES.items()}
-
-
 def _config(values: Mapping[str, Any]) -> PacingConfig:
     values = PacingConfig.normalize_mapping(values)
     check_known_keys(values, PacingConfig.field_names(), "pacing config field")
@@ -89,7 +84,7 @@ def config_to_env(values: Mapping[str, Any]) -> dict[str, str]:
     """``{"max_delay_ms": 20, "rebalance": {"quantum": 4}}`` -> ``{"PACE_MAX_DELAY_MS": "20",
     "PACE_REBALANCE__QUANTUM": "4"}``, validated first (strings as they are, everything else as
     JSON), so that :func:`config_from_env` reads back the same config."""
-    nested = PacingConfig.normalize_mapping(values)  # once: a flat name warns once
+    nested = PacingConfig.normalize_mapping(values)
     _config(nested)
     out: dict[str, str] = {}
     for key, value in nested.items():
@@ -131,17 +126,11 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> PacingConfig | 
     if not names:
         return None
     fields = _env_fields()
-    check_known_keys([n for n in names if n not in _LEGACY_ENV], list(fields), "pacing environment variable")
-    field_of = {n: fields.get(n) or _LEGACY_ENV[n] for n in names}  # the field each variable sets
+    check_known_keys(names, list(fields), "pacing environment variable")
+    field_of = {n: fields[n] for n in names}  # the field each variable sets
     values: dict[str, Any] = {}
     for n in names:
         field = field_of[n]
-        if n in _LEGACY_ENV:
-            warnings.warn(
-                f"pace_strategy: the environment variable {n} is deprecated; use {env_name(field)}",
-                DeprecationWarning,
-                stacklevel=2,
-            )
         group, _, name = field.rpartition(".")
         target = values.setdefault(group, {}) if group else values
         if name in target:

@@ -175,7 +175,15 @@ def _from_run(args: argparse.Namespace) -> int:
     arrays = sample_arrays(lines, sample_steps(lines.steps, args.calibration_steps))
     cal = fit(arrays)
     ranks = [int(x) for x in args.ranks.split(",") if x] or [cal.ranks, cal.ranks * 16, cal.ranks * 128]
-    recorded = PacingConfig.from_dict(arrays.header.get("config") or {}, warn=False)  # any version's record
+    try:
+        recorded = PacingConfig.from_dict(arrays.header.get("config") or {})
+    except PacingConfigError as error:  # a record of an earlier version (flat names)
+        print(
+            f"pace simulate: the record's pacing config is not this version's ({error}); the paced "
+            "what-if uses the default pacing settings",
+            file=sys.stderr,
+        )
+        recorded = PacingConfig()
     # what-if "pacing on": the recorded controller settings, in adaptive mode whatever the run used
     pacing = recorded.replace(mode="adaptive")
     k = pacing.exchange_every_steps

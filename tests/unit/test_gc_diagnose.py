@@ -72,7 +72,7 @@ def test_the_thresholds_decide(arrays):
 
 
 def test_with_gc_sync_on_the_action_is_short_pauses_not_gc_sync(arrays):
-    header = {**arrays.header, "config": {**arrays.header["config"], "gc_sync": True}}
+    header = {**arrays.header, "config": {**arrays.header["config"], "gc_sync": {"enabled": True}}}
     (finding,) = gc_pauses(RunStats(dataclasses.replace(arrays, header=header), DiagnosisConfig()), set())
     assert "gc_sync is on" in finding.action and "gc_sync.freeze=True" in finding.action
 
