@@ -60,13 +60,14 @@ def input_imbalance(run: RunStats, explained: set[int]) -> list[Finding]:
     predicted = float((fitted.max(axis=1, keepdims=True) - fitted).mean(axis=1).sum())
     actual = float((s.wait - s.wait.min(axis=1, keepdims=True)).mean(axis=1).sum())
     lost = predicted / step_total if step_total > 0 else 0.0
-    scale = run.lost_when(run.all_steps) / (actual / step_total) if actual > 0 and step_total > 0 else 1.0
+    run_lost = run.lost_when(run.all_steps)
+    scale = run_lost / (actual / step_total) if actual > 0 and step_total > 0 else 1.0
     # The run's noise floor is read from the spread of the arrivals, which the work sizes explain
     # R^2 of (in variance): what is noise is the rest, sigma x sqrt(1 - R^2).
     whole = run.jitter_when(run.all_steps)
     jitter = whole * float(np.sqrt(max(0.0, 1.0 - r2)))
     # the waiting it explains is its own; the checks that read the whole run's waiting count the rest
-    run.account(min(lost * scale, run.lost_when(run.all_steps)), whole - jitter)
+    run.account(min(lost * scale, run_lost), whole - jitter)
     explains = predicted / actual if actual > 0 else 0.0
     spread = float(np.median(np.ptp(work, axis=1) / np.maximum(work.mean(axis=1), EPSILON)))
     last = np.bincount(s.wait.argmin(axis=1), minlength=run.W)

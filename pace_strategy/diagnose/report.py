@@ -51,15 +51,14 @@ def _mark_episodes(ax: Any, a: RunLines, diagnosis: Diagnosis, digest: RunDigest
 
     labels = digest.heat_labels
     nodes = [str(n) for n in a.topology("node_rank")]
-    edges = np.linspace(0, digest.steps, len(digest.heat) + 1).astype(int) if digest.heat_binned else None
+    edges = digest.late_edges  # the heat map's bins (the lateness bins are binned as it is)
     for f in diagnosis.findings:
         if f.mode is not Mode.STRAGGLER_EPISODE:
             continue
         rows = {labels.index(n) for r in f.ranks for n in (f"r{r}", f"node {nodes[r]}") if n in labels}
         for episode in f.details.get("episodes", []):
             first, last = (int(np.searchsorted(a.step, label)) for label in episode["steps"])
-            if edges is not None:
-                first, last = (int(np.searchsorted(edges, i, side="right")) - 1 for i in (first, last))
+            first, last = (int(np.searchsorted(edges, i, side="right")) - 1 for i in (first, last))
             for row in rows:
                 ax.add_patch(
                     Rectangle(
