@@ -21,10 +21,10 @@ def _tags_of_every_window():
     clock: twelve windows in milliseconds), so the telemetry thread's backlog bound, which drops the
     tags of windows a writer is truly behind on, would drop them by the load of the machine. Tests
     that check the tags get every window; the bound itself is tested with its own value."""
-    import pace_strategy.session
+    import pace_strategy.telemetry.sinks
 
     with pytest.MonkeyPatch.context() as patch:  # session-wide: module fixtures record runs too
-        patch.setattr(pace_strategy.session, "MAX_TAG_BACKLOG_WINDOWS", 10**6)
+        patch.setattr(pace_strategy.telemetry.sinks, "MAX_TAG_BACKLOG_WINDOWS", 10**6)
         yield
 
 

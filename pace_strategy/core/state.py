@@ -14,7 +14,7 @@ bool, None), so that any framework's checkpoint format stores it as it is and a 
      }}
 
 A component is any object with ``state_dict() -> dict`` and ``load_state_dict(dict)``
-(:class:`StatefulComponent`), registered on the session by name
+(:class:`StatefulComponent`), registered by name in the session's :class:`StateRegistry`
 (:meth:`pace_strategy.session.PacingSession.register_state`). Every component's state is identical on
 every rank when it is taken, because every decision it holds is taken identically on every rank from
 the same gathered data; a restore therefore needs no collective.
@@ -22,7 +22,9 @@ the same gathered data; a restore therefore needs no collective.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pace_strategy.core.errors import PacingConfigError
@@ -31,9 +33,13 @@ __all__ = [
     "CHECKPOINT_KEY",
     "STATE_VERSION",
     "PacingStateError",
+    "Resumed",
+    "StateRegistry",
     "StatefulComponent",
     "check_state",
 ]
+
+log = logging.getLogger(__name__)
 
 #: version of the state layout this pace_strategy writes and reads (the envelope and each component)
 STATE_VERSION = 1
@@ -83,3 +89,75 @@ def check_state(state: object, what: str, fields: Mapping[str, type | tuple[type
 
 def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
     return types if isinstance(types, tuple) else (types,)
+
+
+@dataclass
+class Resumed:
+    """What the last restore did: the step it resumed at, the components restored (a component
+    registered after the restore is added when it claims its state) and those skipped, with why."""
+
+    step: int
+    source: str | None  #: the checkpoint's path, where the adapter knows it
+    restored: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  #: component ("*": the whole state) -> why
+
+
+class StateRegistry:
+    """The named components a session checkpoints, in the envelope above (local: no collective)."""
+
+    def __init__(self, world_size: int, components: Mapping[str, StatefulComponent]) -> None:
+        self.world_size = world_size
+        self._components = dict(components)
+        self._unclaimed: dict[str, Any] = {}  # restored states whose component is not registered yet
+        self.resumed: Resumed | None = None  #: the last restore, once there was one
+
+    def register(self, name: str, component: StatefulComponent) -> None:
+        """Checkpoint ``component`` under ``name`` too. Its ``state_dict()`` must be plain JSON-able
+        data, identical on every rank. A state restored before it was registered is loaded now."""
+        if name in self._components:
+            raise ValueError(f"a state component named {name!r} is already registered")
+        self._components[name] = component
+        if name in self._unclaimed:
+            self._load(name, self._unclaimed.pop(name))
+
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """The state after ``step`` global steps."""
+        return {
+            "version": STATE_VERSION,
+            "step": step,
+            "world_size": self.world_size,
+            "components": {name: c.state_dict() for name, c in self._components.items()},
+        }
+
+    def load(self, state: Mapping[str, Any] | None, *, source: str | None, step: int | None) -> Resumed:
+        """Restore what :meth:`state_dict` saved. Never fails: a state that cannot be restored (newer
+        version, damaged) is skipped with a warning, and ``None`` (a checkpoint written without
+        pace_strategy) restores nothing. The step is the state's, else ``step`` (else -1)."""
+        saved_step = state.get("step") if isinstance(state, Mapping) else None
+        self.resumed = Resumed(
+            saved_step if type(saved_step) is int else (-1 if step is None else step), source
+        )
+        try:
+            s = check_state(state, "the checkpoint's pace_strategy state", {"step": int, "components": dict})
+        except PacingStateError as error:
+            if state is not None:
+                self.resumed.skipped["*"] = str(error)
+                log.warning("pace_strategy: nothing restored from %s: %s", source or "the checkpoint", error)
+        else:
+            for name, component_state in s["components"].items():
+                if name in self._components:
+                    self._load(name, component_state)
+                else:
+                    self._unclaimed[name] = component_state
+        return self.resumed
+
+    def _load(self, name: str, state: Any) -> None:
+        resumed = self.resumed
+        assert resumed is not None, "components load from a restored state"
+        try:
+            self._components[name].load_state_dict(state)
+        except PacingStateError as error:
+            resumed.skipped[name] = str(error)
+            log.warning("pace_strategy: %s not restored: %s", name, error)
+        else:
+            resumed.restored.append(name)

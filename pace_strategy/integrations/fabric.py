@@ -41,7 +41,8 @@ from pace_strategy.integrations.env import (
     runs_alone,
 )
 from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance
-from pace_strategy.session import MetricsSink, PacingSession
+from pace_strategy.session import PacingSession
+from pace_strategy.telemetry.sinks import MetricsSink
 
 __all__ = ["FabricPacing", "PacedFabricDDPStrategy", "finish_pacing", "register_fabric_strategies"]
 

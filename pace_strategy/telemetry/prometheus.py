@@ -9,11 +9,12 @@ like the TensorBoard tags: above ``per_rank_tag_limit`` ranks, the lead's median
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.records import Decision, StepSummary
+from pace_strategy.telemetry.sink import Published
 
 __all__ = ["METRICS", "MetricsEndpoint"]
 
@@ -94,6 +95,10 @@ class MetricsEndpoint:
             ) from None
         self.port = int(self._server.server_address[1])  #: the port bound (``port`` unless it was 0)
 
+    def write(self, window: Published) -> None:
+        """One published window (a :class:`~pace_strategy.telemetry.sink.Sink`)."""
+        self.update(window.summaries, window.result.decision)
+
     def update(self, summaries: Sequence[StepSummary], decision: Decision) -> None:
         """One published window: the last step's numbers, the counts (telemetry thread)."""
         self._windows.labels(state=str(decision.state.value)).inc()
@@ -122,8 +127,8 @@ class MetricsEndpoint:
             self._band["pace_lead_ms_min"].set(low)
             self._band["pace_lead_ms_max"].set(high)
 
-    def hang(self) -> None:
-        """The watchdog named hung ranks."""
+    def hang(self, line: Mapping[str, Any]) -> None:
+        """The watchdog named hung ranks (``line``: the run record's hang line; counted only)."""
         self._hangs.inc()
 
     def close(self) -> None:

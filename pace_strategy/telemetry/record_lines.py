@@ -14,9 +14,12 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from pace_strategy.core.watchdog import HangReport
 
 __all__ = [
     "FLATTEN",
@@ -33,6 +36,7 @@ __all__ = [
     "SharesLine",
     "StepLine",
     "as_mapping",
+    "hang_line",
     "json_fields",
 ]
 
@@ -184,6 +188,22 @@ class HangLine(Line):
     action: str = ""
     #: written after the line by the session: pids, GPUs, the evidence directory, ...
     extra: dict[str, Any] = field(default_factory=dict, metadata=FLATTEN)
+
+
+def hang_line(report: HangReport, topology: Sequence[Mapping[str, Any]], action: str) -> dict[str, Any]:
+    """The ``hang`` line of a watchdog's verdict, with each named rank's process and GPU."""
+    named = [topology[r] if 0 <= r < len(topology) else {} for r in report.ranks]
+    gpus = [p.get("gpu_uuid") or (p.get("device") if p.get("device") != "cpu" else None) for p in named]
+    return HangLine(
+        ranks=list(report.ranks),
+        step=report.step,
+        waited_s=round(report.waited_s, 3),
+        hosts=list(report.hosts),
+        behind=list(report.behind),
+        stale=list(report.stale),
+        action=action,
+        extra={"pids": [p.get("pid") for p in named], "gpus": gpus},
+    ).to_json()
 
 
 @dataclass

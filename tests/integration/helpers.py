@@ -69,6 +69,14 @@ def run_recipe(
     )
 
 
+def why_failed(output: str, tail: int = 3000) -> str:
+    """A failed job's output for an assertion: the first lines that name an error (a launcher's tail
+    shows the last rank to fail, not the first, and a rank's own message is cut from the middle of a
+    long output) and then the output's tail."""
+    errors = [line for line in output.splitlines() if "Error" in line or "pace_strategy:" in line]
+    return "\n".join(dict.fromkeys(errors[:20])) + "\n...\n" + output[-tail:]
+
+
 def free_port() -> int:
     """A TCP port free on loopback now (for a launcher's main process port)."""
     with socket.socket() as s:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from pace_strategy import PacingConfig
-from pace_strategy.session import side_group
+from pace_strategy.core.groups import side_group
 
 interface = os.environ["GLOO_SOCKET_IFNAME"]
 dist.init_process_group("gloo", timeout=timedelta(seconds=30))

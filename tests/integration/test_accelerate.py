@@ -17,7 +17,7 @@ import pytest
 
 from pace_strategy.integrations.accelerate import config_from_env
 from pace_strategy.telemetry import TAGS, lead_tag, read_run_record
-from tests.integration.helpers import ACCELERATE_CPU_CONFIG, read_scalars
+from tests.integration.helpers import ACCELERATE_CPU_CONFIG, read_scalars, why_failed
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -68,7 +68,7 @@ def check_straggler(tmp_path: Path, steps: int) -> None:
 def test_pace_launch_reads_the_pacing_config_section(tmp_path):
     section = "pacing_config:\n  mode: monitor\n  exchange_every_steps: 8\n"
     out = launch(tmp_path, PACE, ACCELERATE_CPU_CONFIG.format(kind="MULTI_CPU") + section, "data.workers=1")
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, why_failed(out.stderr, 3000)
     check_straggler(tmp_path, 40)
     record = read_run_record(tmp_path / "proj")
     assert record.header["framework"] == "accelerate" and record.header["world_size"] == 2
@@ -81,7 +81,7 @@ def test_plain_accelerate_launch_with_pace_variables_and_accumulation(tmp_path):
     env = {"ACCELERATE_USE_CPU": "1", "PACE_MODE": "monitor", "PACE_EXCHANGE_EVERY_STEPS": "4"}
     config = ACCELERATE_CPU_CONFIG.format(kind="MULTI_GPU")
     out = launch(tmp_path, ACCELERATE, config, "trainer.max_steps=10", "trainer.accumulate=4", env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, why_failed(out.stderr, 3000)
     assert "trained 10 steps" in out.stdout  # 40 micro-batches, 4 per optimizer step
     record = read_run_record(tmp_path / "proj")
     assert record.header["config"]["exchange_every_steps"] == 4
@@ -125,7 +125,7 @@ def test_the_handle_removes_every_hook_it_registered(tmp_path):
         text=True,
         timeout=150,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, why_failed(out.stderr, 3000)
     results = [json.loads((tmp_path / "run" / f"result_{rank}.json").read_text()) for rank in (0, 1)]
     for r in results:
         before = r["before"]

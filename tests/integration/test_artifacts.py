@@ -25,7 +25,7 @@ import torch
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.state import CHECKPOINT_KEY
 from pace_strategy.telemetry import RECORD_FILENAME, read_run_record
-from tests.integration.helpers import read_scalars
+from tests.integration.helpers import read_scalars, why_failed
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -95,7 +95,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     try:
         for phase, proc in procs.items():
             _, stderr = proc.communicate(timeout=180)
-            assert proc.returncode == 0, f"{phase} jobs failed:\n{stderr[-6000:]}"
+            assert proc.returncode == 0, f"{phase} jobs failed:\n{why_failed(stderr, 6000)}"
     finally:
         for proc in procs.values():
             if proc.poll() is None:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.helpers import why_failed
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -31,7 +33,7 @@ def _invoke(tmp_path, script, args):
         text=True,
         timeout=220,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, why_failed(done.stderr, 3000)
     return done, json.loads(out_json.read_text()), out_md.read_text()
 
 

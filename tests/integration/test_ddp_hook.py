@@ -59,8 +59,8 @@ def _train(rank: int, out_dir: str, paced: bool, user_hook: bool, monitor: str) 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from pace_strategy import Pacer, PacingConfig, attach_paced_ddp
+    from pace_strategy.core.groups import side_group
     from pace_strategy.core.records import Field
-    from pace_strategy.session import side_group
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -139,7 +139,7 @@ def _measure(rank: int, out_dir: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from pace_strategy import Pacer, PacingConfig, attach_paced_ddp
-    from pace_strategy.session import side_group
+    from pace_strategy.core.groups import side_group
 
     torch.manual_seed(0)
     model = DDP(_Net(), bucket_cap_mb=0.0005)  # several buckets
@@ -203,8 +203,8 @@ def _slow_backward(rank: int, out_dir: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from pace_strategy import Pacer, PacingConfig, attach_paced_ddp
+    from pace_strategy.core.groups import side_group
     from pace_strategy.core.records import Field
-    from pace_strategy.session import side_group
     from pace_strategy.testing.slow import InjectionPoint
 
     result = {}

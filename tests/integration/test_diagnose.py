@@ -13,7 +13,14 @@ import pytest
 from pace_strategy.diagnose.findings import diagnose
 from pace_strategy.telemetry import read_run_record
 from pace_strategy.telemetry.arrays import load_arrays, load_lines
-from tests.integration.helpers import diagnose_json, free_port, only_version_dir, pace_diagnose, run_demo
+from tests.integration.helpers import (
+    diagnose_json,
+    free_port,
+    only_version_dir,
+    pace_diagnose,
+    run_demo,
+    why_failed,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -26,7 +33,7 @@ def modes(result: dict) -> list[str]:
 
 def record(tmp_path: Path, name: str, *args: str) -> Path:
     out = run_demo(tmp_path, "--quiet", "--name", name, "--compute-ms", "10", *PACING, *args)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, why_failed(out.stderr, 3000)
     return only_version_dir(tmp_path, name)
 
 
@@ -101,7 +108,7 @@ def crowded_run(tmp_path: Path, straggler: str, steps: int) -> dict:
         timeout=150,
         preexec_fn=lambda: os.sched_setaffinity(0, cores),
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, why_failed(out.stderr, 3000)
     return diagnose_json(only_version_dir(tmp_path, "crowded"))
 
 

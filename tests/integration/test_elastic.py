@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pace_strategy.telemetry.run_record import read_run_record, record_filename
-from tests.integration.helpers import pace_diagnose
+from tests.integration.helpers import pace_diagnose, why_failed
 
 pytestmark = [pytest.mark.integration]
 
@@ -56,7 +56,7 @@ def restarted(tmp_path_factory):
 @pytest.mark.timeout(200)
 def test_the_restarted_job_completes_with_a_clean_session(restarted):
     run_dir, proc = restarted
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:] + why_failed(proc.stderr, 3000)
     record = read_run_record(run_dir / record_filename(1))
     assert record.header["restart_count"] == 1 and record.end is not None
     assert record.end["status"] == "completed", record.end

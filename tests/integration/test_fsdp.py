@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pace_strategy.telemetry import TAGS, lead_tag, read_run_record
-from tests.integration.helpers import only_version_dir, read_scalars, run_recipe
+from tests.integration.helpers import only_version_dir, read_scalars, run_recipe, why_failed
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -27,7 +27,7 @@ def test_paced_fsdp_times_every_collective_and_names_the_straggler(tmp_path):
         "straggler.delay_ms=40",
         "model.compute_ms=10",
     )
-    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.returncode == 0, why_failed(out.stderr, 4000)
     log_dir = only_version_dir(tmp_path, "lightning_fsdp")
     scalars = read_scalars(log_dir)
     for tag in (*TAGS, lead_tag(0), lead_tag(1)):
@@ -56,7 +56,7 @@ def test_forced_pacing_gives_weights_identical_to_unpaced_fsdp(tmp_path):
         "output.name=plain",
         f"output.save_weights={tmp_path / 'plain.pt'}",
     )
-    assert plain.returncode == 0, plain.stderr[-4000:]
+    assert plain.returncode == 0, why_failed(plain.stderr, 4000)
     paced = run_recipe(
         tmp_path,
         "lightning_fsdp.yaml",
@@ -67,7 +67,7 @@ def test_forced_pacing_gives_weights_identical_to_unpaced_fsdp(tmp_path):
         "pacing.exchange_every_steps=4",
         "pacing.max_delay_step_fraction=0.5",
     )
-    assert paced.returncode == 0, paced.stderr[-4000:]
+    assert paced.returncode == 0, why_failed(paced.stderr, 4000)
     record = read_run_record(only_version_dir(tmp_path, "paced"))
     delays = [s["ranks"]["delay_ms"][0] for s in record.steps]
     assert max(delays) > 1.0, f"pacing was never applied: {delays}"

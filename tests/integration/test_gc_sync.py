@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.gc_sync_script import GARBAGE, STEPS
-from tests.integration.helpers import read_scalars
+from tests.integration.helpers import read_scalars, why_failed
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -31,7 +31,7 @@ def run(tmp_path_factory):
         text=True,
         timeout=170,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, why_failed(done.stderr, 3000)
     ranks = [json.loads((out / f"rank_{r}.json").read_text()) for r in range(2)]
     log_dir = Path(ranks[0]["log_dir"])
     lines = [json.loads(x) for x in (log_dir / "pace_run.jsonl").read_text().splitlines()]

@@ -26,6 +26,7 @@ from tests.integration.helpers import (
     parse_metrics,
     read_scalars,
     run_demo,
+    why_failed,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(200)]
@@ -54,7 +55,7 @@ def test_paced_ddp_telemetry_names_the_injected_straggler(tmp_path):
                 proc.kill()
             proc.wait()
     stdout, stderr = (tmp_path / "out.log").read_text(), (tmp_path / "err.log").read_text()
-    assert proc.returncode == 0, stderr[-4000:]
+    assert proc.returncode == 0, why_failed(stderr, 4000)
     assert scraped.get("pace_steps_total", 0.0) >= 40, scraped  # scraped over HTTP during training
     assert scraped["pace_straggler_rank"] == 1.0 and scraped['pace_lead_ms{rank="1"}'] == 0.0, scraped
     assert 20.0 < scraped['pace_lead_ms{rank="0"}'] < 60.0, scraped
@@ -82,7 +83,7 @@ def test_paced_ddp_telemetry_names_the_injected_straggler(tmp_path):
     # the demo's own summary table, with no third-party deprecation warning before it
     assert "straggler             rank 1 in" in stdout
     assert "pace_run.jsonl" in stdout
-    assert "LeafSpec" not in stderr, stderr[-2000:]
+    assert "LeafSpec" not in stderr, why_failed(stderr, 2000)
 
 
 def scrape_while_running(
@@ -109,7 +110,7 @@ def test_forced_pacing_gives_weights_identical_to_plain_ddp(tmp_path):
     paced = tmp_path / "paced.pt"
     args = (*COMMON, "--steps", "30", "--straggler", "1:30")
     a = run_demo(tmp_path, *args, "--strategy", "ddp", "--name", "plain", "--save-weights", str(plain))
-    assert a.returncode == 0, a.stderr[-4000:]
+    assert a.returncode == 0, why_failed(a.stderr, 4000)
     b = run_demo(
         tmp_path,
         *args,
@@ -126,7 +127,7 @@ def test_forced_pacing_gives_weights_identical_to_plain_ddp(tmp_path):
         "--pacing",
         "max_delay_step_fraction=0.5",
     )
-    assert b.returncode == 0, b.stderr[-4000:]
+    assert b.returncode == 0, why_failed(b.stderr, 4000)
     record = read_run_record(only_version_dir(tmp_path, "paced"))
     delays = [s["ranks"]["delay_ms"][0] for s in record.steps]
     assert max(delays) > 1.0, f"pacing was never applied: {delays}"

@@ -18,7 +18,7 @@ import torch
 
 from pace_strategy.core.state import CHECKPOINT_KEY
 from pace_strategy.telemetry.run_record import read_run_record
-from tests.integration.helpers import pace_diagnose
+from tests.integration.helpers import pace_diagnose, why_failed
 from tests.integration.preempt_resume_job import CKPT_EVERY, RESUME_STEPS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -128,7 +128,7 @@ def test_sigterm_to_every_rank_ends_the_job_quickly_with_the_record_terminated(j
 
 
 def test_resume_restores_the_controller_state_the_checkpoint_holds_on_every_rank(jobs):
-    assert jobs.resume.returncode == 0, jobs.resume.stderr[-4000:]
+    assert jobs.resume.returncode == 0, why_failed(jobs.resume.stderr, 4000)
     ckpt = torch.load(jobs.root / "ckpt" / f"step={CKPT_EVERY}.ckpt", weights_only=True)
     saved = ckpt[CHECKPOINT_KEY]
     policy = saved["components"]["pacer"]["policy"]
@@ -141,7 +141,7 @@ def test_resume_restores_the_controller_state_the_checkpoint_holds_on_every_rank
 
 
 def test_the_resumed_record_begins_with_a_resume_line_and_continues_the_windows(jobs):
-    assert jobs.resume.returncode == 0, jobs.resume.stderr[-4000:]
+    assert jobs.resume.returncode == 0, why_failed(jobs.resume.stderr, 4000)
     lines = (jobs.resumed / "pace_run.jsonl").read_text().splitlines()
     resume = json.loads(lines[1])
     assert resume["record"] == "resume" and resume["step"] == CKPT_EVERY

@@ -15,7 +15,7 @@ import pytest
 
 from pace_strategy.data.phases import share_phases
 from pace_strategy.telemetry import TAGS, read_run_record
-from tests.integration.helpers import check_dashboard, free_port, parse_metrics, read_scalars
+from tests.integration.helpers import check_dashboard, free_port, parse_metrics, read_scalars, why_failed
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(200)]
 
@@ -51,7 +51,7 @@ def _result(runs, mode):
     except subprocess.TimeoutExpired:
         proc.kill()
         _, stderr = proc.communicate()
-    assert proc.returncode == 0, stderr[-4000:]
+    assert proc.returncode == 0, why_failed(stderr, 4000)
     return out, [json.loads((out / f"result_{rank}.json").read_text()) for rank in (0, 1)]
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pace_strategy import testbed
-from tests.integration.helpers import diagnose_json
+from tests.integration.helpers import diagnose_json, why_failed
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -115,7 +115,7 @@ def _record_on_bed(spec: testbed.FabricSpec, demo_args: list[str], root: Path, n
     args = [*demo_args, "--root", str(root), "--name", name, "--pacing", "exchange_every_steps=8"]
     with testbed.running(spec) as fabric:
         outs = testbed.run_on_nodes(fabric, args, port=29530 + os.getpid() % 400, timeout_s=240)
-    assert all(o.returncode == 0 for o in outs), [o.stderr[-2000:] for o in outs]
+    assert all(o.returncode == 0 for o in outs), [why_failed(o.stderr, 2000) for o in outs]
     (run_dir,) = (root / name).glob("version_*")
     return run_dir
 

@@ -25,6 +25,7 @@ from tests.integration.helpers import (
     free_port,
     parse_metrics,
     read_scalars,
+    why_failed,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
@@ -104,7 +105,7 @@ class Launch:
         except subprocess.TimeoutExpired:
             self._process.kill()
             stdout, stderr = self._process.communicate()
-        assert self._process.returncode == 0, stderr[-4000:]
+        assert self._process.returncode == 0, why_failed(stderr, 4000)
         return stdout
 
     def stop(self) -> None:

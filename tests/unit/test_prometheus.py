@@ -43,7 +43,7 @@ def test_a_scrape_reads_the_last_step_of_the_last_window():
         assert endpoint.port > 0
         endpoint.update([_summary(0, 3), _summary(1, 3)], _decision(PolicyState.PACING))
         endpoint.update([_summary(2, 3)], _decision(PolicyState.PACING))
-        endpoint.hang()
+        endpoint.hang({"ranks": [1]})
         m = _scrape(endpoint.port)
         assert m["pace_skew_ms"] == 12.5 and m["pace_step_ms"] == 80.0 and m["pace_transfer_ms"] == 0.5
         assert (

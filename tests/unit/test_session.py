@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import pace_strategy.session
+import pace_strategy.telemetry.sinks
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.session import PacingSession
 from pace_strategy.telemetry.run_record import read_run_record
@@ -41,15 +42,15 @@ def test_every_step_reaches_the_metrics_sink_and_the_run_record(tmp_path):
     session.finish()
     assert sorted(logged) == list(range(12)) and "pace/skew_ms" in logged[0]
     assert session.record_path is not None and session.record_path.exists()
-    assert session.publish_ns > 0  # the telemetry thread ran
+    assert session.publisher.publish_ns > 0  # the telemetry thread ran
 
 
 def test_without_sinks_no_telemetry_thread_runs_but_warnings_are_still_logged(tmp_path, caplog):
     session = _session(tmp_path, config={"run_record": False})
     results = _train(session, 12)
     assert len(results) >= 2  # windows did complete...
-    assert session._publisher is None and session.publish_ns == 0  # ...and nothing was built for them
-    with caplog.at_level(logging.WARNING, logger="pace_strategy.session"):
+    assert not session.publisher.started and session.publisher.publish_ns == 0  # ...and nothing ran for them
+    with caplog.at_level(logging.WARNING, logger="pace_strategy.telemetry.sinks"):
         session.publish(dataclasses.replace(results[0], warnings=("rank 3 is a persistent straggler",)))
     assert "rank 3 is a persistent straggler" in caplog.text
     session.finish()
@@ -60,6 +61,7 @@ def test_the_constructor_is_local_and_takes_the_gathered_topology(monkeypatch):
         raise AssertionError("the constructor ran a collective")
 
     monkeypatch.setattr(pace_strategy.session, "gather_json", no_collective)
+    monkeypatch.setattr(pace_strategy.telemetry.sinks, "gather_json", no_collective)
     topology = [{"rank": r, "host": f"node{r}"} for r in range(2)]
     kwargs = dict(rank=1, world_size=2, device=torch.device("cpu"), group=None, framework="test")
     session = PacingSession(PacingConfig(), topology=topology, **kwargs)
@@ -147,11 +149,11 @@ def test_the_side_group_interface_follows_the_jobs_own_route(monkeypatch):
 def test_a_tag_writer_that_falls_behind_loses_tags_of_whole_windows_never_record_rows(tmp_path, monkeypatch):
     import threading
 
-    import pace_strategy.session
+    import pace_strategy.telemetry.sinks
 
     # the library's own bound (the suite raises it: tests/conftest.py)
     MAX_TAG_BACKLOG_WINDOWS = 4
-    monkeypatch.setattr(pace_strategy.session, "MAX_TAG_BACKLOG_WINDOWS", MAX_TAG_BACKLOG_WINDOWS)
+    monkeypatch.setattr(pace_strategy.telemetry.sinks, "MAX_TAG_BACKLOG_WINDOWS", MAX_TAG_BACKLOG_WINDOWS)
 
     release = threading.Event()
     logged: dict[int, dict] = {}
@@ -162,14 +164,12 @@ def test_a_tag_writer_that_falls_behind_loses_tags_of_whole_windows_never_record
 
     session = _session(tmp_path, log_dir=tmp_path, metrics_sink=slow_sink)
     _train(session, 4 * 12)  # 12 windows of 4 steps while the sink is stuck on the first
-    publisher = session._publisher
-    assert publisher is not None
-    dropped = publisher.tag_windows_dropped
+    dropped = session.publisher.tag_windows_dropped
     # the first window is in the sink, MAX_TAG_BACKLOG_WINDOWS windows waited: every later one drops its tags
     assert dropped >= 12 - 1 - MAX_TAG_BACKLOG_WINDOWS - 1, dropped
     release.set()
     session.finish()
     record = read_run_record(session.record_path)
     assert [s["step"] for s in record.steps] == list(range(48))  # every row, whatever the tags
-    assert record.end["tag_windows_dropped"] == session.tag_windows_dropped >= dropped
+    assert record.end["tag_windows_dropped"] == session.publisher.tag_windows_dropped >= dropped
     assert 0 < len(logged) <= 48 - 4 * dropped and set(logged) < set(range(48))

@@ -214,15 +214,18 @@ def test_a_training_thread_that_fails_during_the_hang_abort_waits_for_the_hang_e
     script = textwrap.dedent(
         f"""
         import os, threading, time
-        from pace_strategy.session import _hold_uncaught_errors
+        from pace_strategy.core.hang_response import hold_uncaught_errors
+
+        held = threading.Event()
 
         def watchdog():
-            _hold_uncaught_errors(30.0)  # as _on_hang does first
+            hold_uncaught_errors(30.0)  # as HangResponse does first
+            held.set()
             time.sleep(1.0)  # evidence, then the exit
             os._exit({HANG_EXIT_CODE})
 
         threading.Thread(target=watchdog, daemon=True).start()
-        time.sleep(0.2)
+        held.wait(30)  # the training thread's collective fails once the abort has begun
         raise RuntimeError("Connection closed by peer")
         """
     )

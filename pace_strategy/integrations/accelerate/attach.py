@@ -37,7 +37,8 @@ from pace_strategy.integrations.env import (
     runs_alone,
 )
 from pace_strategy.integrations.rebalance import DataRebalance
-from pace_strategy.session import DashboardSink, MetricsSink, PacingSession
+from pace_strategy.session import PacingSession
+from pace_strategy.telemetry.sinks import DashboardSink, MetricsSink
 
 __all__ = ["PacingHandle", "RebalanceLoop", "attach_pacing", "is_paceable"]
 
