@@ -18,60 +18,40 @@ from pace_strategy._version import __version__
 
 if TYPE_CHECKING:
     from pace_strategy.core import (
-        Decision,
         GcSyncConfig,
         HangConfig,
         PaceDistributedError,
-        Pacer,
+        PaceHangError,
         PaceTimeoutError,
         PacingConfig,
         PacingConfigError,
-        PacingPolicy,
-        PolicyState,
         RebalanceConfig,
-        StepSummary,
-        WindowResult,
     )
     from pace_strategy.data import ShareBatchSampler, share_loss_scale
-    from pace_strategy.hooks import (
-        GradReadyMonitor,
-        PacedHookState,
-        attach_paced_ddp,
-        paced_comm_hook,
-        register_paced_hook,
-    )
+    from pace_strategy.hooks import attach_paced_ddp
     from pace_strategy.hooks.fsdp import auto_shard, register_paced_collectives
     from pace_strategy.integrations.accelerate import PacingHandle, attach_pacing
     from pace_strategy.integrations.huggingface import PacingCallback
     from pace_strategy.integrations.lightning import PacedDDPStrategy, PacedFSDPStrategy
     from pace_strategy.integrations.pytorch import Pace, PaceSummary, attach
-    from pace_strategy.session import PacingSession
     from pace_strategy.telemetry import RunRecord, read_run_record, summarize
 
 #: public name -> the module that defines it (imported on first access)
 _WHERE = {
     **dict.fromkeys(
         (
-            "Decision",
             "GcSyncConfig",
             "HangConfig",
             "PaceDistributedError",
+            "PaceHangError",
             "PaceTimeoutError",
-            "Pacer",
             "PacingConfig",
             "PacingConfigError",
-            "PacingPolicy",
-            "PolicyState",
             "RebalanceConfig",
-            "StepSummary",
-            "WindowResult",
         ),
         "pace_strategy.core",
     ),
-    **dict.fromkeys(
-        ("GradReadyMonitor", "PacedHookState", "attach_paced_ddp", "paced_comm_hook", "register_paced_hook"),
-        "pace_strategy.hooks",
-    ),
+    "attach_paced_ddp": "pace_strategy.hooks",
     "auto_shard": "pace_strategy.hooks.fsdp",
     "register_paced_collectives": "pace_strategy.hooks.fsdp",
     "PacingHandle": "pace_strategy.integrations.accelerate",
@@ -82,7 +62,6 @@ _WHERE = {
     "attach": "pace_strategy.integrations.pytorch",
     "PacedDDPStrategy": "pace_strategy.integrations.lightning",
     "PacedFSDPStrategy": "pace_strategy.integrations.lightning",
-    "PacingSession": "pace_strategy.session",
     "ShareBatchSampler": "pace_strategy.data",
     "share_loss_scale": "pace_strategy.data",
     "RunRecord": "pace_strategy.telemetry",
@@ -91,41 +70,31 @@ _WHERE = {
 }
 
 __all__ = [
-    "Decision",
     "GcSyncConfig",
-    "GradReadyMonitor",
     "HangConfig",
     "Pace",
     "PaceDistributedError",
+    "PaceHangError",
     "PaceSummary",
     "PaceTimeoutError",
     "PacedDDPStrategy",
     "PacedFSDPStrategy",
-    "PacedHookState",
-    "Pacer",
     "PacingCallback",
     "PacingConfig",
     "PacingConfigError",
     "PacingHandle",
-    "PacingPolicy",
-    "PacingSession",
-    "PolicyState",
     "RebalanceConfig",
     "RunRecord",
     "ShareBatchSampler",
-    "StepSummary",
-    "WindowResult",
-    "__version__",
     "attach",
     "attach_paced_ddp",
     "attach_pacing",
     "auto_shard",
-    "paced_comm_hook",
     "read_run_record",
     "register_paced_collectives",
-    "register_paced_hook",
     "share_loss_scale",
     "summarize",
+    "__version__",
 ]
 
 __getattr__ = lazy_attributes(__name__, _WHERE)

@@ -16,6 +16,7 @@ import os
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,11 +55,12 @@ def _rank_main(rank: int, world: int, store_path: str, out_dir: str, body, *args
         raise
 
 
-def _train(rank: int, out_dir: str, paced: bool, user_hook: bool, monitor: str) -> None:
+def _train(rank: int, paced: bool, user_hook: bool, monitor: str) -> dict | None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from pace_strategy import Pacer, PacingConfig, attach_paced_ddp
+    from pace_strategy import PacingConfig, attach_paced_ddp
+    from pace_strategy.core import Pacer
     from pace_strategy.core.groups import side_group
     from pace_strategy.core.records import Field
 
@@ -108,16 +110,28 @@ def _train(rank: int, out_dir: str, paced: bool, user_hook: bool, monitor: str) 
                 buckets.append(int(result.gathered[:, :, Field.BUCKETS].max()))
     if pacer is not None:
         pacer.flush()
+    if rank != 0:
+        return None
+    return {
+        "state": model.module.state_dict(),
+        "fp16_calls": calls["fp16"],
+        "delays": delays,
+        "buckets": buckets,
+    }
+
+
+#: every arm of the bit-identity tests, trained one after another in the same processes:
+#: (paced, the user's hook, monitor)
+ARMS = [(False, True, ""), (False, False, "")] + [
+    (True, user_hook, monitor) for user_hook in (True, False) for monitor in ("grad_ready", "comm_hook")
+]
+
+
+def _train_arms(rank: int, out_dir: str, arms: list[tuple[bool, bool, str]]) -> None:
+    """Each arm on a fresh model (the same seed), one after another; rank 0 saves them all."""
+    results = {arm: _train(rank, *arm) for arm in arms}
     if rank == 0:
-        torch.save(
-            {
-                "state": model.module.state_dict(),
-                "fp16_calls": calls["fp16"],
-                "delays": delays,
-                "buckets": buckets,
-            },
-            os.path.join(out_dir, f"{'paced' if paced else 'plain'}.pt"),
-        )
+        torch.save(results, os.path.join(out_dir, "arms.pt"))
 
 
 class _Net(torch.nn.Module):
@@ -138,7 +152,8 @@ def _measure(rank: int, out_dir: str) -> None:
     ``no_sync`` micro-batch, then sleeps 40 ms, then synchronizes."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from pace_strategy import Pacer, PacingConfig, attach_paced_ddp
+    from pace_strategy import PacingConfig, attach_paced_ddp
+    from pace_strategy.core import Pacer
     from pace_strategy.core.groups import side_group
 
     torch.manual_seed(0)
@@ -202,7 +217,8 @@ def _slow_backward(rank: int, out_dir: str) -> None:
     to its forward (as an HF Trainer callback at on_step_begin): rank 0 waits for it in the broadcast."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from pace_strategy import Pacer, PacingConfig, attach_paced_ddp
+    from pace_strategy import PacingConfig, attach_paced_ddp
+    from pace_strategy.core import Pacer
     from pace_strategy.core.groups import side_group
     from pace_strategy.core.records import Field
     from pace_strategy.testing.slow import InjectionPoint
@@ -268,33 +284,22 @@ def _spawn(fn, out, *args, world: int = WORLD) -> None:
         raise AssertionError("\n".join(errors) or str(error)) from error
 
 
-def _run(
-    tmp_path, paced: bool, user_hook: bool = True, monitor: str = "grad_ready", world: int = WORLD
-) -> dict:
-    out = tmp_path / (f"{monitor}-paced" if paced else "plain")
+def _run_arms(out: Path, arms: list[tuple[bool, bool, str]], world: int) -> dict:
     out.mkdir()
-    _spawn(_train, out, paced, user_hook, monitor, world=world)
-    return torch.load(out / f"{'paced' if paced else 'plain'}.pt")
+    _spawn(_train_arms, out, arms, world=world)
+    return torch.load(out / "arms.pt")
 
 
 @pytest.fixture(scope="module")
-def plain_run(tmp_path_factory):
-    """The unpaced run of 2 ranks, with the user's hook or DDP's built-in reduction: made once, for
-    both monitors' comparisons."""
-    runs: dict[bool, dict] = {}
-
-    def get(user_hook: bool) -> dict:
-        if user_hook not in runs:
-            runs[user_hook] = _run(tmp_path_factory.mktemp("plain"), paced=False, user_hook=user_hook)
-        return runs[user_hook]
-
-    return get
+def arms(tmp_path_factory):
+    """Every arm at 2 ranks: unpaced with the user's hook and with DDP's built-in reduction, and paced
+    under both monitors with each (one launch: the arms take turns in the same processes)."""
+    return _run_arms(tmp_path_factory.mktemp("arms") / "w2", ARMS, WORLD)
 
 
 @pytest.mark.parametrize("monitor", ["grad_ready", "comm_hook"])
-def test_user_hook_runs_and_weights_match_unpaced(tmp_path, monitor, plain_run):
-    plain = plain_run(True)
-    paced = _run(tmp_path, paced=True, monitor=monitor)
+def test_user_hook_runs_and_weights_match_unpaced(monitor, arms):
+    plain, paced = arms[(False, True, "")], arms[(True, True, monitor)]
     assert paced["fp16_calls"] == plain["fp16_calls"] >= STEPS  # the user's hook ran inside ours
     assert max(paced["delays"]) > 1.0, f"no delay was applied: {paced['delays']}"
     for key, value in plain["state"].items():
@@ -302,10 +307,10 @@ def test_user_hook_runs_and_weights_match_unpaced(tmp_path, monitor, plain_run):
 
 
 @pytest.mark.parametrize("monitor", ["grad_ready", "comm_hook"])
-def test_paced_over_several_buckets_matches_ddps_own_bits(tmp_path, monitor, plain_run):
-    plain = plain_run(False)  # DDP's built-in reduction, no hook
-    # grad_ready: DDP's built-in reduction under the monitor; comm_hook: the pacing hook's all-reduce
-    paced = _run(tmp_path, paced=True, user_hook=False, monitor=monitor)
+def test_paced_over_several_buckets_matches_ddps_own_bits(monitor, arms):
+    # DDP's built-in reduction, no hook; grad_ready: that reduction under the monitor; comm_hook: the
+    # pacing hook's all-reduce
+    plain, paced = arms[(False, False, "")], arms[(True, False, monitor)]
     if monitor == "comm_hook":
         assert min(paced["buckets"]) > 1, paced["buckets"]  # really several buckets per step
     else:
@@ -347,12 +352,14 @@ def test_ddp_s_buffer_sync_is_the_one_private_method_timed():
 def test_paced_matches_ddps_own_bits_at_three_ranks_under_both_monitors(tmp_path):
     # At W = 3 a division by W and DDP's multiplication by 1/W differ in the last bit for about a
     # third of the values (at W = 2 they agree): the pacing hook must reduce as DDP's reducer does.
-    plain = _run(tmp_path, paced=False, user_hook=False, world=3)
-    for monitor in ("grad_ready", "comm_hook"):
-        paced = _run(tmp_path, paced=True, user_hook=False, monitor=monitor, world=3)
+    arms = [(False, False, ""), (True, False, "grad_ready"), (True, False, "comm_hook")]
+    results = _run_arms(tmp_path / "w3", arms, world=3)
+    plain = results[arms[0]]
+    for arm in arms[1:]:
+        paced = results[arm]
         assert max(paced["delays"]) > 1.0, f"no delay was applied: {paced['delays']}"
         for key, value in plain["state"].items():
-            assert torch.equal(value, paced["state"][key]), (monitor, key)
+            assert torch.equal(value, paced["state"][key]), (arm, key)
 
 
 def test_grad_ready_marks_arrival_before_the_buckets_and_completion_after_the_straggler(tmp_path):
