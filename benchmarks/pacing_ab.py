@@ -217,6 +217,8 @@ def _interleave(
     """The scenario's A/B pairs, in alternating order, appended to ``arms`` and ``paced``."""
     per_node = s.ranks // len(fabric.nodes) if fabric is not None else s.ranks
     strategy = {"plain": "ddp", "candidate": s.candidate}
+    if args.fork:  # the same arms, their ranks forked from the launcher (a faster start, the same steps)
+        strategy = {arm: f"{name}_fork" for arm, name in strategy.items()}
     for rep in range(args.repeats):
         for arm in ARMS if rep % 2 == 0 else ARMS[::-1]:
             counter[0] += 1
@@ -276,6 +278,12 @@ def main() -> int:
     p.add_argument("--compute-ms", type=float, default=20.0, help="emulated accelerator time per step")
     p.add_argument("--uplink-mbit", type=float, default=150.0, help="test-bed uplink rate, Mbit/s")
     p.add_argument("--scenarios", default="", help="comma-separated names (default: all)")
+    p.add_argument(
+        "--fork",
+        action="store_true",
+        help="start each run's ranks by fork (ddp_fork, paced_ddp_fork): no second Lightning import per "
+        "run; the steps measured are the same",
+    )
     p.add_argument("--out", default="benchmarks/results/pacing_ab.json")
     p.add_argument("--markdown", default="benchmarks/results/pacing_ab.md", help="the table, for the docs")
     args = p.parse_args()

@@ -86,6 +86,7 @@ __all__ = [
     "RebalanceConfig",
     "RunRecord",
     "ShareBatchSampler",
+    "__version__",
     "attach",
     "attach_paced_ddp",
     "attach_pacing",
@@ -94,7 +95,6 @@ __all__ = [
     "register_paced_collectives",
     "share_loss_scale",
     "summarize",
-    "__version__",
 ]
 
 __getattr__ = lazy_attributes(__name__, _WHERE)

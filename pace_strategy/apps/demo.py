@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--strategy",
         default="paced_ddp",
-        help="paced_ddp, paced_ddp_spawn, paced_fsdp, or the baselines ddp, fsdp; default paced_ddp",
+        help="paced_ddp, paced_ddp_spawn, paced_ddp_fork, paced_fsdp, or the baselines ddp, ddp_fork, "
+        "fsdp; default paced_ddp",
     )
     p.add_argument(
         "--gc-heap-objects", type=int, default=0, help="long-lived objects per rank (a GC-heavy job)"
@@ -310,10 +311,12 @@ def _report(args: argparse.Namespace, trainer: Any, elapsed_s: float) -> None:
 
     log_dir = Path(trainer.logger.log_dir)
     record_path = log_dir / RECORD_FILENAME
-    print(f"\ntrained {trainer.global_step} steps in {elapsed_s:.1f} s")
-    if record_path.exists():
-        summary = summarize(read_run_record(record_path))
-        print(summary.table())
+    record = read_run_record(record_path) if record_path.exists() else None
+    # a spawned or forked rank 0 trained, not this launcher: its record says how far it got
+    steps = trainer.global_step if record is None else len(record.steps)
+    print(f"\ntrained {steps} steps in {elapsed_s:.1f} s")
+    if record is not None:
+        print(summarize(record).table())
     else:
         print("  (no run record: the baseline strategy does not monitor)")
     if record_path.exists() and not args.no_diagnosis:
@@ -331,7 +334,7 @@ def _report(args: argparse.Namespace, trainer: Any, elapsed_s: float) -> None:
         from pace_strategy.data.phases import describe_phases, share_phases
 
         print("\n  rebalancing (per-rank samples per step, as trained):")
-        print("\n".join(describe_phases(share_phases(read_run_record(record_path).steps))))
+        print("\n".join(describe_phases(share_phases(record.steps if record else []))))
     print(f"\n  TensorBoard logs  {log_dir}   (tensorboard --logdir {args.root})")
     if record_path.exists():
         print(f"  run record        {record_path}   (pace diagnose {log_dir})")

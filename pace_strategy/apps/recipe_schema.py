@@ -38,8 +38,10 @@ __all__ = [
 LIGHTNING_STRATEGIES = {
     "paced_ddp": (True, False),
     "paced_ddp_spawn": (True, False),
+    "paced_ddp_fork": (True, False),
     "paced_fsdp": (True, True),
     "ddp": (False, False),
+    "ddp_fork": (False, False),
     "fsdp": (False, True),
 }
 FRAMEWORKS = ("lightning", "accelerate")
@@ -56,7 +58,8 @@ class TrainerRecipe:
     accelerator: str = "cpu"  #: Lightning accelerator name: ``cpu`` or ``gpu`` (Accelerate: from its config)
     devices: int = 2  #: processes per node (Lightning; Accelerate takes ``num_processes`` from its config)
     num_nodes: int = 1  #: nodes (Lightning)
-    strategy: str = "paced_ddp"  #: Lightning: paced_ddp, paced_ddp_spawn, paced_fsdp, ddp or fsdp
+    #: Lightning: paced_ddp, paced_ddp_spawn, paced_ddp_fork, paced_fsdp; the baselines ddp, ddp_fork, fsdp
+    strategy: str = "paced_ddp"
     max_steps: int = 60  #: optimizer steps
     accumulate: int = 1  #: micro-batches per optimizer step (gradient accumulation)
 

@@ -29,9 +29,9 @@ def _lightning_strategy(recipe: TrainRecipe) -> Any:
 
     name = recipe.trainer.strategy
     pacing = recipe.pacing_config()
-    if name in ("paced_ddp", "paced_ddp_spawn"):
-        start = "spawn" if name.endswith("spawn") else "popen"
-        return PacedDDPStrategy(pacing=pacing, start_method=start)
+    starts = {"paced_ddp": "popen", "paced_ddp_spawn": "spawn", "paced_ddp_fork": "fork"}
+    if name in starts:
+        return PacedDDPStrategy(pacing=pacing, start_method=starts[name])
     if name == "paced_fsdp":
         return PacedFSDPStrategy(pacing=pacing, auto_shard_min_params=recipe.fsdp.min_params)
     if pacing is not None:
@@ -105,6 +105,9 @@ def run_lightning(
         model: Any = ShardedExampleModule(recipe.model, recipe.fsdp.min_params)
     else:
         model = ExampleModule(recipe.model)
+    # the logger's version, resolved here: ranks started by spawn or fork write where this launcher
+    # reads afterwards (each would otherwise pick the next free version itself)
+    trainer.logger.log_dir  # noqa: B018
     trainer.fit(model, loader)
     return trainer
 

@@ -37,12 +37,17 @@ __all__ = [
 ]
 
 #: (registry name, start method) of the paced DDP strategies.
-DDP_STRATEGY_NAMES: tuple[tuple[str, str], ...] = (("paced_ddp", "popen"), ("paced_ddp_spawn", "spawn"))
+DDP_STRATEGY_NAMES: tuple[tuple[str, str], ...] = (
+    ("paced_ddp", "popen"),
+    ("paced_ddp_spawn", "spawn"),
+    ("paced_ddp_fork", "fork"),
+)
 
 
 def register_paced_ddp(strategy_registry: StrategyRegistry, strategy: type) -> None:
-    """Register ``strategy`` as ``paced_ddp`` (popen start) and ``paced_ddp_spawn`` (spawn start), as
-    a Lightning Trainer's or Fabric's strategy registry takes it."""
+    """Register ``strategy`` as ``paced_ddp`` (popen start), ``paced_ddp_spawn`` (spawn start) and
+    ``paced_ddp_fork`` (fork start, as Lightning's ``ddp_fork``: CPU, or CUDA not yet initialized), as a
+    Lightning Trainer's or Fabric's strategy registry takes it."""
     for name, start_method in DDP_STRATEGY_NAMES:
         strategy_registry.register(
             name,

@@ -45,25 +45,27 @@ def _run_benchmark(tmp_path, script, args):
 
 
 def _smoke_run(tmp_path, scenario, steps=40):
-    """One short pair of ``scenario`` of the run-level A/B benchmark."""
-    args = ["--repeats", "1", "--steps", str(steps), "--skip", "10", "--scenarios", scenario]
+    """One short pair of ``scenario`` of the run-level A/B benchmark (ranks forked: a faster start)."""
+    args = ["--repeats", "1", "--steps", str(steps), "--skip", "10", "--scenarios", scenario, "--fork"]
     return _run_benchmark(tmp_path, "pacing_ab.py", args)
 
 
 def test_pacing_ab_smoke_run_writes_both_arms(tmp_path):
-    done, row, table = _smoke_run(tmp_path, "persistent")
-    assert "persistent" in done.stdout and "ddp" in done.stdout and "paced_ddp" in done.stdout
-    assert row["scenario"] == "persistent" and row["ranks"] == 4
+    """Two ranks of real compute, rank 1's backward 16 ms longer: both arms run, and the paced run's
+    record sees the injection."""
+    done, row, table = _smoke_run(tmp_path, "real-backward@2")
+    assert "real-backward@2" in done.stdout and "ddp" in done.stdout and "paced_ddp" in done.stdout
+    assert row["scenario"] == "real-backward@2" and row["ranks"] == 2
     assert 0.5 < row["throughput_ratio_median"] < 2.0  # both arms ran and were timed
-    assert 20.0 < row["median_skew_ms"] < 45.0  # the injected 30 ms shows in the paced run's record
+    assert 0.5 * 16.0 < row["median_skew_ms"] < 2 * 16.0  # the injected 16 ms, in the paced run's record
     # The in-run figures come from the paced run's record: the Pacer's own cost timer is a small
-    # positive share of a ~50 ms step, and the estimate combines it with the paced share.
+    # positive share of the step, and the estimate combines it with the paced share.
     cost, share = row["monitor_cost_fraction"], row["pacing_active_share"]
     paced = row["paced_over_unpaced_step"]
     assert 0.0 < cost < 0.05 and 0.0 <= share <= 1.0
     assert math.isclose(row["in_run_ratio"], 1.0 / ((1.0 + cost) * (1.0 + share * (paced - 1.0))))
     assert 0.5 < row["in_run_ratio"] < 1.5
-    assert "| persistent | 4 |" in table
+    assert "| real-backward@2 | 2 |" in table
 
 
 def test_the_control_scenario_runs_plain_ddp_against_itself(tmp_path, monkeypatch, capsys):
@@ -81,7 +83,7 @@ def test_the_control_scenario_runs_plain_ddp_against_itself(tmp_path, monkeypatc
 
     monkeypatch.setattr(pacing_ab, "run_demo", fake_run_demo)
     (control,) = [s for s in pacing_ab.scenarios(20.0, 150.0) if s.name == "control"]
-    args = argparse.Namespace(repeats=2, steps=20, skip=5, t0=0.0)
+    args = argparse.Namespace(repeats=2, steps=20, skip=5, t0=0.0, fork=False)
     row = pacing_ab.run_scenario(control, args, tmp_path, [0, 4])
     assert launched == ["ddp"] * 4 and row["candidate"] == "ddp"
     assert row["throughput_ratios"] == pytest.approx([51 / 52, 54 / 53])  # the pairs alternate

@@ -24,7 +24,10 @@ from tests.integration.helpers import (
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-PACING = ("--pacing", "mode=monitor", "--pacing", "exchange_every_steps=8")
+#: the ranks forked from the demo's launcher, which has imported Lightning already (a rank started
+#: as a new process imports it again: about 9 s of each run); the popen start of ``paced_ddp`` is
+#: tested in test_lightning.py
+PACING = ("--strategy", "paced_ddp_fork", "--pacing", "mode=monitor", "--pacing", "exchange_every_steps=8")
 
 
 def modes(result: dict) -> list[str]:
@@ -32,7 +35,10 @@ def modes(result: dict) -> list[str]:
 
 
 def record(tmp_path: Path, name: str, *args: str) -> Path:
-    out = run_demo(tmp_path, "--quiet", "--name", name, "--compute-ms", "10", *PACING, *args)
+    """A demo run (its own diagnosis left out: the test runs ``pace diagnose``), its run directory."""
+    out = run_demo(
+        tmp_path, "--quiet", "--no-diagnosis", "--name", name, "--compute-ms", "10", *PACING, *args
+    )
     assert out.returncode == 0, why_failed(out.stderr, 3000)
     return only_version_dir(tmp_path, name)
 
@@ -159,6 +165,7 @@ def launch_nodes(tmp_path: Path, name: str, nodes: list[tuple[dict, list[str]]],
             "--name",
             name,
             "--quiet",
+            "--no-diagnosis",
             "--compute-ms",
             "10",
             *PACING,

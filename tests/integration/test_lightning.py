@@ -106,16 +106,18 @@ def scrape_while_running(
 
 
 def test_forced_pacing_gives_weights_identical_to_plain_ddp(tmp_path):
+    """Both with their ranks forked from the launcher (no second Lightning import per run): the
+    arithmetic does not depend on how the ranks started."""
     plain = tmp_path / "plain.pt"
     paced = tmp_path / "paced.pt"
     args = (*COMMON, "--steps", "30", "--straggler", "1:30")
-    a = run_demo(tmp_path, *args, "--strategy", "ddp", "--name", "plain", "--save-weights", str(plain))
+    a = run_demo(tmp_path, *args, "--strategy", "ddp_fork", "--name", "plain", "--save-weights", str(plain))
     assert a.returncode == 0, why_failed(a.stderr, 4000)
     b = run_demo(
         tmp_path,
         *args,
         "--strategy",
-        "paced_ddp",
+        "paced_ddp_fork",
         "--name",
         "paced",
         "--save-weights",

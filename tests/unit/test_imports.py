@@ -109,7 +109,7 @@ for name in {order!r}:
     else:
         importlib.import_module(name)
 registry = getattr(importlib.import_module({registry_module!r}), {registry!r})
-names = [n for n in ("paced_ddp", "paced_ddp_spawn", "paced_fsdp") if n in registry]
+names = [n for n in ("paced_ddp", "paced_ddp_spawn", "paced_ddp_fork", "paced_fsdp") if n in registry]
 print(json.dumps({{n: registry[n]["strategy"].__module__ for n in names}}))
 """
 
@@ -128,9 +128,9 @@ def test_strategies_are_registered_whichever_is_imported_first_and_a_probe_does_
         names = json.loads(stdout.strip().splitlines()[-1])
         adapter = REGISTRATION_CASES[case][1][2]
         expected = (
-            ("paced_ddp", "paced_ddp_spawn")
+            ("paced_ddp", "paced_ddp_spawn", "paced_ddp_fork")
             if "fabric" in adapter
-            else ("paced_ddp", "paced_ddp_spawn", "paced_fsdp")
+            else ("paced_ddp", "paced_ddp_spawn", "paced_ddp_fork", "paced_fsdp")
         )
         assert names == dict.fromkeys(expected, adapter), (case, names)
 

@@ -25,6 +25,7 @@ def test_registered_names_build_the_paced_strategies(package):
     expected = {
         "paced_ddp": "PacedDDPStrategy",
         "paced_ddp_spawn": "PacedDDPStrategy",
+        "paced_ddp_fork": "PacedDDPStrategy",
         "paced_fsdp": "PacedFSDPStrategy",
     }
     for name, cls in expected.items():
@@ -65,6 +66,7 @@ def test_the_register_function_maps_the_names_to_that_package_s_own_classes(pack
     expected = {
         "paced_ddp": (module.PacedDDPStrategy, {"start_method": "popen"}),
         "paced_ddp_spawn": (module.PacedDDPStrategy, {"start_method": "spawn"}),
+        "paced_ddp_fork": (module.PacedDDPStrategy, {"start_method": "fork"}),
         "paced_fsdp": (module.PacedFSDPStrategy, {}),
     }
     for name, (cls, init_params) in expected.items():
