@@ -55,8 +55,9 @@ import torch
 from pace_strategy.core.clock import ManualClock
 from pace_strategy.core.comm import PendingGather, field_major
 from pace_strategy.core.config import PacingConfig, RebalanceConfig
+from pace_strategy.core.hierarchy import result_of, verdict_of
 from pace_strategy.core.inflight import WindowInFlight
-from pace_strategy.core.pacer import Pacer, result_of, verdict_of
+from pace_strategy.core.pacer import Pacer
 from pace_strategy.core.records import NUM_FIELDS, Field
 from pace_strategy.core.shares import ShareSchedule
 from pace_strategy.core.summary import StepSummarizer, node_steps, node_transfer

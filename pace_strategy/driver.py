@@ -23,7 +23,7 @@ from types import TracebackType
 from typing import Any, Protocol
 
 from pace_strategy.core.config import PacingConfig
-from pace_strategy.core.pacer import WindowResult
+from pace_strategy.core.exchange import WindowResult
 from pace_strategy.session import PacingSession
 
 __all__ = ["BatchShares", "PacingDriver", "WindowTally"]

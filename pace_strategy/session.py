@@ -31,12 +31,13 @@ from pace_strategy.core.comm import gather_json
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PaceHangError
 from pace_strategy.core.evidence import EVIDENCE_DIR
+from pace_strategy.core.exchange import WindowResult
 from pace_strategy.core.gc_monitor import GcMonitor
 from pace_strategy.core.groups import node_leader_exchange, side_group
 from pace_strategy.core.hang_response import HangResponse
 from pace_strategy.core.hierarchy import HierarchicalExchange
 from pace_strategy.core.memory import device_memory_probe
-from pace_strategy.core.pacer import Pacer, WindowResult
+from pace_strategy.core.pacer import Pacer
 from pace_strategy.core.state import StatefulComponent, StateRegistry
 from pace_strategy.core.summary import StepSummarizer, node_transfer
 from pace_strategy.core.watchdog import HangWatchdog, job_store

@@ -107,6 +107,7 @@ def run_lightning(
         model = ExampleModule(recipe.model)
     # the logger's version, resolved here: ranks started by spawn or fork write where this launcher
     # reads afterwards (each would otherwise pick the next free version itself)
+    assert trainer.logger is not None
     trainer.logger.log_dir  # noqa: B018
     trainer.fit(model, loader)
     return trainer

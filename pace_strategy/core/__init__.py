@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         PaceTimeoutError,
         PacingConfigError,
     )
+    from pace_strategy.core.exchange import WindowResult
     from pace_strategy.core.gc_monitor import GcMonitor
     from pace_strategy.core.gc_sync import GcSync
     from pace_strategy.core.glossary import (
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
         straggler_rank,
         transfer_ms,
     )
-    from pace_strategy.core.pacer import Pacer, WindowResult
+    from pace_strategy.core.pacer import Pacer
     from pace_strategy.core.policy import PacingPolicy
     from pace_strategy.core.rebalance import RebalanceDecision, RebalancePolicy, RebalanceState
     from pace_strategy.core.records import Decision, Field, GcCollect, PolicyState, StepSummary
@@ -52,7 +53,8 @@ _MODULES: dict[str, tuple[str, ...]] = {
     "gc_monitor": ("GcMonitor",),
     "gc_sync": ("GcSync",),
     "glossary": ("coefficient_of_variation", "lead_ms", "skew_ms", "straggler_rank", "transfer_ms"),
-    "pacer": ("Pacer", "WindowResult"),
+    "pacer": ("Pacer",),
+    "exchange": ("WindowResult",),
     "policy": ("PacingPolicy",),
     "rebalance": ("RebalanceDecision", "RebalancePolicy", "RebalanceState"),
     "records": ("Decision", "Field", "GcCollect", "PolicyState", "StepSummary"),

@@ -21,6 +21,7 @@ every rank of a node waits for its leader's decision (benchmarks in docs/benchma
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,9 +32,13 @@ import torch.distributed as dist
 
 from pace_strategy.core.comm import PendingGather, WindowExchange, field_major
 from pace_strategy.core.errors import PaceDistributedError
+from pace_strategy.core.exchange import WindowResult
+from pace_strategy.core.rebalance import RebalanceDecision, RebalanceState
+from pace_strategy.core.records import NUM_FIELDS, Decision, GcCollect, PolicyState
+from pace_strategy.core.skew import WindowStats
 from pace_strategy.core.summary import node_steps
 
-__all__ = ["HierarchicalExchange", "NodeLayout"]
+__all__ = ["DecisionMessage", "HierarchicalExchange", "NodeLayout", "result_of", "verdict_of"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,8 @@ class NodeLayout:
 
 
 class HierarchicalExchange:
-    """This rank's side of the node-leader exchange (module doc).
+    """This rank's side of the node-leader exchange (module doc), an
+    :class:`~pace_strategy.core.exchange.Exchange`: the leaders decide.
 
     Args:
         layout: the job's nodes.
@@ -100,6 +106,7 @@ class HierarchicalExchange:
         )
         self._widest = max(len(n) for n in layout.nodes)
         self.world_size = layout.world_size
+        self.decides = self.is_leader
 
     def start(self, rows: torch.Tensor, first_step: int, last_step: int) -> PendingGather:
         """Launch the node-local all-gather of this rank's rows ``[steps, fields]``."""
@@ -124,6 +131,18 @@ class HierarchicalExchange:
         for node, ranks in enumerate(self.layout.nodes):
             window[list(ranks)] = blocks[node, : len(ranks)]
         return window, blocks[:, widest]
+
+    def completed(self, pending: PendingGather, waited: bool) -> bool:
+        """Never: a completed node gather is not the window (the leaders' gather may not be done)."""
+        return False
+
+    def publish(self, result: WindowResult) -> None:
+        """A leader: send the window's decision to its node (:func:`verdict_of`)."""
+        self.send_verdict(*verdict_of(result))
+
+    def receive(self) -> WindowResult:
+        """Not a leader: the decision its leader sent for the window (:func:`result_of`)."""
+        return result_of(self.receive_verdict(), self.world_size)
 
     def send_verdict(self, meta: Mapping[str, Any], vectors: Mapping[str, Sequence[float]]) -> None:
         """A leader: its node's ranks receive ``meta`` (JSON-able) and ``vectors`` (one number per
@@ -169,3 +188,99 @@ def check_layout(layout: NodeLayout, rank: int, world_size: int) -> None:
         raise PaceDistributedError(
             rank, world_size, f"the placements give nodes {layout.nodes}, not {world_size} ranks"
         )
+
+
+#: what a node leader sends its node of a window's decision: scalars and text (JSON), and the per-rank
+#: vectors (one float64 row each: no per-number parsing at thousands of ranks)
+DecisionMessage = tuple[dict[str, Any], Mapping[str, "Sequence[float] | torch.Tensor"]]
+
+
+def verdict_of(r: WindowResult) -> tuple[dict[str, Any], dict[str, Sequence[float]]]:
+    """The message a node leader sends its node of one window's result (:func:`result_of` reads it)."""
+    d, collect, rebalance = r.decision, r.decision.gc_collect, r.rebalance
+    vectors: dict[str, Sequence[float]] = {
+        "delays_ms": d.delays_ms,
+        "straggler_counts": r.stats.straggler_counts,
+    }
+    meta: dict[str, Any] = {
+        "window": r.window,
+        "decision": {
+            "window": d.window,
+            "state": d.state.value,
+            "reason": d.reason,
+            "baseline_step_ms": d.baseline_step_ms,
+            "paced_step_ms": d.paced_step_ms,
+            "gc_collect": None if collect is None else collect.after_step,
+        },
+        "stats": {
+            "steps": r.stats.steps,
+            "median_step_ms": r.stats.median_step_ms,
+            "median_unpaced_skew_ms": r.stats.median_unpaced_skew_ms,
+        },
+        "rebalance": None,
+    }
+    if collect is not None:
+        vectors["gc_due"] = collect.due
+    if rebalance is not None:
+        # the scalar fields only (asdict would deep-copy the per-rank tuples the vectors carry)
+        meta["rebalance"] = {
+            f.name: getattr(rebalance, f.name)
+            for f in dataclasses.fields(rebalance)
+            if f.name not in ("shares", "per_sample_ms")
+        }
+        meta["rebalance"]["state"] = rebalance.state.value
+        vectors["shares"] = rebalance.shares
+        if rebalance.per_sample_ms:  # empty before the first measured window
+            vectors["per_sample_ms"] = rebalance.per_sample_ms
+    return meta, vectors
+
+
+def result_of(message: DecisionMessage, world_size: int) -> WindowResult:
+    """The :class:`WindowResult` a non-leader keeps of a verdict: the decisions and the window's
+    statistics, not its rows (``gathered`` is empty: only rank 0, a leader, writes telemetry)."""
+    meta, vectors = message
+
+    def floats(name: str) -> tuple[float, ...]:
+        found = vectors.get(name, ())
+        return tuple(found.tolist() if isinstance(found, torch.Tensor) else found)
+
+    def ints(name: str) -> tuple[int, ...]:
+        found = vectors.get(name, ())
+        if isinstance(found, torch.Tensor):  # counts and samples: exact in float64, converted in C
+            return tuple(found.to(torch.int64).tolist())
+        return tuple(int(v) for v in found)
+
+    d = meta["decision"]
+    decision = Decision(
+        window=d["window"],
+        state=PolicyState(d["state"]),
+        delays_ms=floats("delays_ms"),
+        reason=d["reason"],
+        baseline_step_ms=d["baseline_step_ms"],
+        paced_step_ms=d["paced_step_ms"],
+        gc_collect=None if d["gc_collect"] is None else GcCollect(d["gc_collect"], floats("gc_due")),
+    )
+    s = meta["stats"]
+    stats = WindowStats(
+        window=meta["window"],
+        world_size=world_size,
+        steps=s["steps"],
+        median_step_ms=s["median_step_ms"],
+        median_unpaced_skew_ms=s["median_unpaced_skew_ms"],
+        pacable_lead_ms=torch.zeros(world_size, 0, dtype=torch.float64),
+        straggler_counts=ints("straggler_counts"),
+    )
+    rebalance = None
+    if (r := meta["rebalance"]) is not None:
+        rebalance = RebalanceDecision(
+            **{**r, "state": RebalanceState(r["state"])},
+            shares=ints("shares"),
+            per_sample_ms=floats("per_sample_ms"),
+        )
+    return WindowResult(
+        window=meta["window"],
+        gathered=torch.empty(0, 0, NUM_FIELDS, dtype=torch.float64),
+        stats=stats,
+        decision=decision,
+        rebalance=rebalance,
+    )

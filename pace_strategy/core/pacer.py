@@ -12,7 +12,7 @@ on a device clock, every place the compute stream waits for one with ``enter_wai
 The hot path is a few clock marks and a counter; everything else happens once per window.
 
 Once per window the Pacer resolves its rows, exchanges them (one all-gather, or through the node
-leaders: :mod:`pace_strategy.core.hierarchy`) and hands the gathered window to its controllers
+leaders: :mod:`pace_strategy.core.exchange`) and hands the gathered window to its controllers
 (:mod:`pace_strategy.core.controllers`), whose arbitrated decision it applies; a rank that is not a
 node leader applies the decision its leader sent. A rank that decides waits for each window and
 analyses it on a side thread while the next step runs (:mod:`pace_strategy.core.inflight`); the
@@ -23,10 +23,9 @@ tests, benchmarks) feeds each ``WindowResult.gathered`` to one :class:`StepSumma
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,9 +37,10 @@ from pace_strategy.core.comm import WindowExchange
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.controllers import Controllers, WindowInput
 from pace_strategy.core.errors import PaceDistributedError
+from pace_strategy.core.exchange import Exchange, FlatExchange, WindowResult
 from pace_strategy.core.inflight import WindowInFlight
-from pace_strategy.core.rebalance import RebalanceDecision, RebalanceState, WindowMeasure
-from pace_strategy.core.records import NUM_FIELDS, Decision, Field, GcCollect, PolicyState
+from pace_strategy.core.rebalance import WindowMeasure
+from pace_strategy.core.records import NUM_FIELDS, Decision, Field
 from pace_strategy.core.shares import ShareSchedule
 from pace_strategy.core.skew import WindowStats, window_stats
 from pace_strategy.core.state import STATE_VERSION, check_state
@@ -109,122 +109,8 @@ class WindowAnalysis:
     node_steps: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
-class WindowResult:
-    """What one exchanged window produced: the gathered window, its statistics and the new decision.
-
-    Per-step records for telemetry: ``StepSummarizer.summarize(result.gathered, nodes=result.node_steps)``.
-    """
-
-    window: int
-    gathered: torch.Tensor  #: the raw window, ``[world_size, steps, NUM_FIELDS]`` float64
-    stats: WindowStats
-    decision: Decision
-    warnings: tuple[str, ...] = ()  #: straggler warnings to log (rate-limited)
-    #: the rebalancing decision (``None``: no share schedule attached, or ``config.rebalance.enabled`` off)
-    rebalance: RebalanceDecision | None = None
-    #: a node leader's: every node's per-step reductions (:func:`~pace_strategy.core.summary.node_steps`,
-    #: ``[nodes, steps, NUM_FIELDS]``), for ``StepSummarizer.summarize(gathered, nodes=node_steps)``
-    node_steps: torch.Tensor | None = None
-
-
 #: a launched window and its side thread (:mod:`pace_strategy.core.inflight`)
 _InFlight = WindowInFlight[tuple[torch.Tensor, torch.Tensor | None] | None, WindowAnalysis]
-
-#: what a node leader sends its node of a window: scalars and text (JSON), and the per-rank vectors
-#: (one float64 row each: no per-number parsing at thousands of ranks)
-Verdict = tuple[dict[str, Any], Mapping[str, "Sequence[float] | torch.Tensor"]]
-
-
-def verdict_of(r: WindowResult) -> tuple[dict[str, Any], dict[str, Sequence[float]]]:
-    """What a node leader sends its node of one window's result (:func:`result_of` reads it back)."""
-    d, collect, rebalance = r.decision, r.decision.gc_collect, r.rebalance
-    vectors: dict[str, Sequence[float]] = {
-        "delays_ms": d.delays_ms,
-        "straggler_counts": r.stats.straggler_counts,
-    }
-    meta: dict[str, Any] = {
-        "window": r.window,
-        "decision": {
-            "window": d.window,
-            "state": d.state.value,
-            "reason": d.reason,
-            "baseline_step_ms": d.baseline_step_ms,
-            "paced_step_ms": d.paced_step_ms,
-            "gc_collect": None if collect is None else collect.after_step,
-        },
-        "stats": {
-            "steps": r.stats.steps,
-            "median_step_ms": r.stats.median_step_ms,
-            "median_unpaced_skew_ms": r.stats.median_unpaced_skew_ms,
-        },
-        "rebalance": None,
-    }
-    if collect is not None:
-        vectors["gc_due"] = collect.due
-    if rebalance is not None:
-        # the scalar fields only (asdict would deep-copy the per-rank tuples the vectors carry)
-        meta["rebalance"] = {
-            f.name: getattr(rebalance, f.name)
-            for f in dataclasses.fields(rebalance)
-            if f.name not in ("shares", "per_sample_ms")
-        }
-        meta["rebalance"]["state"] = rebalance.state.value
-        vectors["shares"] = rebalance.shares
-        if rebalance.per_sample_ms:  # empty before the first measured window
-            vectors["per_sample_ms"] = rebalance.per_sample_ms
-    return meta, vectors
-
-
-def result_of(verdict: Verdict, world_size: int) -> WindowResult:
-    """The :class:`WindowResult` a non-leader keeps of a verdict: the decisions and the window's
-    statistics, not its rows (``gathered`` is empty: only rank 0, a leader, writes telemetry)."""
-    meta, vectors = verdict
-
-    def floats(name: str) -> tuple[float, ...]:
-        found = vectors.get(name, ())
-        return tuple(found.tolist() if isinstance(found, torch.Tensor) else found)
-
-    def ints(name: str) -> tuple[int, ...]:
-        found = vectors.get(name, ())
-        if isinstance(found, torch.Tensor):  # counts and samples: exact in float64, converted in C
-            return tuple(found.to(torch.int64).tolist())
-        return tuple(int(v) for v in found)
-
-    d = meta["decision"]
-    decision = Decision(
-        window=d["window"],
-        state=PolicyState(d["state"]),
-        delays_ms=floats("delays_ms"),
-        reason=d["reason"],
-        baseline_step_ms=d["baseline_step_ms"],
-        paced_step_ms=d["paced_step_ms"],
-        gc_collect=None if d["gc_collect"] is None else GcCollect(d["gc_collect"], floats("gc_due")),
-    )
-    s = meta["stats"]
-    stats = WindowStats(
-        window=meta["window"],
-        world_size=world_size,
-        steps=s["steps"],
-        median_step_ms=s["median_step_ms"],
-        median_unpaced_skew_ms=s["median_unpaced_skew_ms"],
-        pacable_lead_ms=torch.zeros(world_size, 0, dtype=torch.float64),
-        straggler_counts=ints("straggler_counts"),
-    )
-    rebalance = None
-    if (r := meta["rebalance"]) is not None:
-        rebalance = RebalanceDecision(
-            **{**r, "state": RebalanceState(r["state"])},
-            shares=ints("shares"),
-            per_sample_ms=floats("per_sample_ms"),
-        )
-    return WindowResult(
-        window=meta["window"],
-        gathered=torch.empty(0, 0, NUM_FIELDS, dtype=torch.float64),
-        stats=stats,
-        decision=decision,
-        rebalance=rebalance,
-    )
 
 
 class Pacer:
@@ -263,8 +149,12 @@ class Pacer:
         # a clock of our contract written before ``host_time`` existed is a host clock
         self._host_time = bool(getattr(self.clock, "host_time", True))
         self._memory_probe = memory_probe
+        #: the flat all-gather on ``group``: the session's own gathers (and the windows', when flat)
         self.exchange = WindowExchange(group, rank, world_size, config.exchange_timeout_s)
+        #: the node-leader exchange, where the windows go through it
         self.hierarchy = hierarchy
+        #: how the windows are exchanged and decided (:mod:`pace_strategy.core.exchange`)
+        self.windows: Exchange = hierarchy if hierarchy is not None else FlatExchange(self.exchange)
         #: pacing, rebalancing and GC sync: what each window decides (:mod:`pace_strategy.core.controllers`)
         self.controllers = Controllers(config, rank, world_size, self.clock)
         self._open: _OpenStep | None = None
@@ -608,9 +498,7 @@ class Pacer:
         local: list[torch.Tensor] = []
         pending, self._pending = self._pending, None
         if pending is not None:
-            # node leaders: a completed node gather is not the window (the leaders' gather is not done)
-            work = pending.gather.work
-            done = self.hierarchy is None and (pending.gathered or work is None or bool(work.is_completed()))
+            done = self.windows.completed(pending.gather, pending.gathered)
             try:
                 if done:  # a completed gather's wait returns at once (or raises: it failed); the rest
                     # of the side thread's work is local
@@ -686,21 +574,17 @@ class Pacer:
         steps, self._unresolved = self._unresolved[:count], self._unresolved[count:]
         rows = torch.tensor([self._resolve(s) for s in steps], dtype=torch.float64)
         self._pending_rows = rows
-        hierarchy, index = self.hierarchy, self._window
-        gather = (hierarchy or self.exchange).start(rows, steps[0].step, steps[-1].step)
-
-        def wait() -> tuple[torch.Tensor, torch.Tensor | None] | None:
-            if hierarchy is None:
-                return self.exchange.wait(gather), None
-            return hierarchy.wait_window(gather)
+        windows, index = self.windows, self._window
+        gather = windows.start(rows, steps[0].step, steps[-1].step)
 
         def analyze_window(window: tuple[torch.Tensor, torch.Tensor | None] | None) -> WindowAnalysis:
-            assert window is not None  # the flat exchange's, or a leader's: the whole window
+            assert window is not None  # a rank that decides holds the whole window
             return self.analyze(window[0], index, nodes=window[1])
 
-        # a rank that is not a node leader receives its leader's verdict: nothing to analyse
-        decides = hierarchy is None or hierarchy.is_leader
-        return WindowInFlight(gather, wait, analyze_window if decides else None)
+        # a rank that does not decide receives the decision: nothing to analyse
+        return WindowInFlight(
+            gather, lambda: windows.wait_window(gather), analyze_window if windows.decides else None
+        )
 
     @property
     def _join_timeout_s(self) -> float:
@@ -718,20 +602,17 @@ class Pacer:
             if timed:
                 self.exchange_wait_ns += time.perf_counter_ns() - started
             result = self._apply(analysis)
-            if self.hierarchy is not None:
-                self.hierarchy.send_verdict(*verdict_of(result))
+            self.windows.publish(result)
             return result
-        received = pending.wait()  # not a node leader: its node's gather, then its leader's verdict
-        assert self.hierarchy is not None and received is None
-        verdict = self.hierarchy.receive_verdict()
+        pending.wait()  # a rank that does not decide: its part of the exchange, then the decision
+        result = self.windows.receive()
         if timed:
             self.exchange_wait_ns += time.perf_counter_ns() - started
-        return self._follow(verdict)
+        return self._follow(result)
 
-    def _follow(self, verdict: Verdict) -> WindowResult:
-        """Apply a window's decision taken by this rank's node leader (the same as :meth:`_decide`
-        would have taken: the leaders decide on the whole window with the same code)."""
-        result = result_of(verdict, self.world_size)
+    def _follow(self, result: WindowResult) -> WindowResult:
+        """Apply a window's decision taken for this rank (by its node leader: the same as
+        :meth:`_decide` would have taken, the leaders decide on the whole window with the same code)."""
         if result.window != self._window:
             raise PaceDistributedError(
                 self.rank,

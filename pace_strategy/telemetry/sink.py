@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pace_strategy.core.pacer import WindowResult
+from pace_strategy.core.exchange import WindowResult
 from pace_strategy.core.records import StepSummary
 
 __all__ = ["Published", "Sink"]

@@ -23,8 +23,9 @@ import torch
 from pace_strategy._version import __version__
 from pace_strategy.core.comm import gather_json
 from pace_strategy.core.config import PacingConfig
+from pace_strategy.core.exchange import WindowResult
 from pace_strategy.core.hierarchy import HierarchicalExchange
-from pace_strategy.core.pacer import Pacer, WindowResult
+from pace_strategy.core.pacer import Pacer
 from pace_strategy.core.state import Resumed
 from pace_strategy.core.summary import StepSummarizer
 from pace_strategy.telemetry.columnar import SHARD_BATCH_ROWS, RankColumnsWriter, rank_columns_filename

@@ -111,7 +111,8 @@ def test_the_layout_comes_from_the_placements():
 
 
 def test_a_verdict_carries_every_decision_exactly():
-    from pace_strategy.core.pacer import WindowResult, result_of, verdict_of
+    from pace_strategy.core.exchange import WindowResult
+    from pace_strategy.core.hierarchy import result_of, verdict_of
     from pace_strategy.core.rebalance import RebalanceDecision, RebalanceState
     from pace_strategy.core.records import Decision, GcCollect, PolicyState
     from pace_strategy.core.skew import WindowStats
