@@ -94,6 +94,28 @@ def diagnose(
     return diagnose_run(a, cfg, project_ranks=project_ranks)[0]
 
 
+#: the checks in the order they claim ranks (:func:`_run_checks`)
+CHECKS = (
+    data_stall,
+    # Before the rank checks: with two ranks one of them is last in half the steps whatever the
+    # cause, and a rank whose lateness its own collector explains is not slow itself. A persistent
+    # straggler's lateness is not GC time, so it stays theirs.
+    gc_pauses,
+    # uneven inputs claim the waiting the ranks' work sizes explain (no ranks of their own: the
+    # late rank changes with the batch), before the checks that blame ranks and places
+    input_imbalance,
+    locality,
+    # several slow ranks taking turns being last, then a rank or ranks slow for a stretch, before
+    # the one-rank check: neither is last in most steps, and whole-run shares drown a stretch
+    slow_group,
+    straggler_episode,
+    persistent_or_late_start,
+    host_oversubscription,
+    fabric_contention,
+    sync_amplification,
+)
+
+
 def diagnose_run(
     a: RunLines,
     cfg: DiagnosisConfig | None = None,
@@ -104,6 +126,77 @@ def diagnose_run(
     or ranks to read them), of every step of ``a`` unless the diagnosis kept fewer (a rebalanced
     run's kept split: then its ``steps`` is fewer than ``a``'s)."""
     cfg = cfg or DiagnosisConfig()
+    notes = _record_notes(a)
+    rebalanced = rebalance_outcome(a)
+    if rebalanced is not None:
+        notes.append(rebalanced.text())
+        a = _at_the_kept_split(a, rebalanced, cfg, notes)
+    if a.steps < cfg.min_steps or a.world_size < MIN_RANKS:
+        return Diagnosis(
+            findings=[],
+            summary=f"not enough data to diagnose: {a.steps} usable steps, {a.world_size} ranks",
+            stats={"steps": a.steps, "world_size": a.world_size},
+            thresholds=cfg.to_dict(),
+            notes=notes,
+        ), None
+    digest = digest_run(a, cfg)
+    run = RunStats(a, cfg, digest)
+    findings = _run_checks(run)
+    notes += run.notes
+    if rebalanced is not None:
+        for f in findings:
+            if f.mode is Mode.PERSISTENT_STRAGGLER:
+                f.details["rebalanced"] = rebalanced.to_dict()
+    for f in findings:
+        if not run.worth_acting_on(f):
+            notes.append(
+                f"below the worth-acting-on floor ({cfg.healthy_lost_fraction:.0%} of step time beyond "
+                f"what the run's own jitter explains), not reported: {f.mode} ({f.lost_step_fraction:.1%} "
+                f"of step time, of which jitter explains {f.noise_floor_fraction:.1%}): {f.evidence}"
+            )
+    findings = [f for f in findings if run.worth_acting_on(f)]
+    total_lost = run.lost_when(run.all_steps)
+    jitter = run.jitter_when(run.all_steps)
+    if not findings:
+        findings.append(_no_finding(run, total_lost, jitter))
+    findings.sort(key=lambda f: -f.lost_step_fraction)
+    projection: dict[str, Any] = {}
+    if project_ranks:
+        findings, meta = project(
+            digest.sample,
+            findings,
+            project_ranks,
+            steps=cfg.projection_steps,
+            measured_lost_fraction=total_lost,
+        )
+        projection = meta.to_dict()
+        notes.append(
+            f"waiting costs {pct(total_lost)} of step time at {run.W} ranks (the run's own jitter "
+            f"explains {pct(jitter)}); projected {projection_text(meta.waiting)} (simulated; the "
+            "assumption is under projection)"
+        )
+    stats = _run_stats(a, run, total_lost, jitter)
+    if rebalanced is not None:
+        stats["rebalance"] = rebalanced.to_dict()
+    head = findings[0]
+    summary = (
+        f"{head.mode.value.replace('_', ' ')}: {head.evidence}"
+        if head.mode is not Mode.HEALTHY
+        else f"healthy: {head.evidence}"
+    )
+    return Diagnosis(
+        findings=findings,
+        summary=summary,
+        stats=stats,
+        thresholds=cfg.to_dict(),
+        notes=notes,
+        projection=projection,
+    ), digest
+
+
+def _record_notes(a: RunLines) -> list[str]:
+    """What the record itself says before any number is read: how the run ended, its schema, where
+    it came from, its hangs and restarts."""
     notes = []
     if a.truncated:
         notes.append(
@@ -139,43 +232,14 @@ def diagnose_run(
     notes += [f"hang: {hang_text(h)}" for h in a.hangs]
     if a.hangs:
         notes += hang_evidence_notes(a.path)
-    notes += _restart_notes(a)
-    rebalanced = rebalance_outcome(a)
-    if rebalanced is not None:
-        notes.append(rebalanced.text())
-        a = _at_the_kept_split(a, rebalanced, cfg, notes)
-    if a.steps < cfg.min_steps or a.world_size < MIN_RANKS:
-        return Diagnosis(
-            findings=[],
-            summary=f"not enough data to diagnose: {a.steps} usable steps, {a.world_size} ranks",
-            stats={"steps": a.steps, "world_size": a.world_size},
-            thresholds=cfg.to_dict(),
-            notes=notes,
-        ), None
-    digest = digest_run(a, cfg)
-    run = RunStats(a, cfg, digest)
+    return notes + _restart_notes(a)
+
+
+def _run_checks(run: RunStats) -> list[Finding]:
+    """Every check of :data:`CHECKS` in order, each told the ranks the earlier ones explained."""
     findings: list[Finding] = []
     explained: set[int] = set()
-    checks = (
-        data_stall,
-        # Before the rank checks: with two ranks one of them is last in half the steps whatever the
-        # cause, and a rank whose lateness its own collector explains is not slow itself. A persistent
-        # straggler's lateness is not GC time, so it stays theirs.
-        gc_pauses,
-        # uneven inputs claim the waiting the ranks' work sizes explain (no ranks of their own: the
-        # late rank changes with the batch), before the checks that blame ranks and places
-        input_imbalance,
-        locality,
-        # several slow ranks taking turns being last, then a rank or ranks slow for a stretch, before
-        # the one-rank check: neither is last in most steps, and whole-run shares drown a stretch
-        slow_group,
-        straggler_episode,
-        persistent_or_late_start,
-        host_oversubscription,
-        fabric_contention,
-        sync_amplification,
-    )
-    for check in checks:
+    for check in CHECKS:
         # A finding below the worth-acting-on floor explains nothing: its ranks stay open to the later
         # checks (with two ranks, one is last in about half the steps whatever the cause, and a minor
         # persistent-straggler reading must not hide synchronization amplification).
@@ -186,59 +250,33 @@ def diagnose_run(
         if found:
             newly &= {r for f in found if run.worth_acting_on(f) for r in f.ranks}
         explained |= newly
-    notes += run.notes
-    if rebalanced is not None:
-        for f in findings:
-            if f.mode is Mode.PERSISTENT_STRAGGLER:
-                f.details["rebalanced"] = rebalanced.to_dict()
-    minor = [f for f in findings if not run.worth_acting_on(f)]
-    findings = [f for f in findings if run.worth_acting_on(f)]
-    for f in minor:
-        notes.append(
-            f"below the worth-acting-on floor ({cfg.healthy_lost_fraction:.0%} of step time beyond what "
-            f"the run's own jitter explains), not reported: {f.mode} ({f.lost_step_fraction:.1%} of step "
-            f"time, of which jitter explains {f.noise_floor_fraction:.1%}): {f.evidence}"
-        )
-    total_lost = run.lost_when(run.all_steps)
-    jitter = run.jitter_when(run.all_steps)
-    if not findings:
-        if total_lost - jitter < cfg.healthy_lost_fraction:
-            findings.append(_healthy(run, total_lost, jitter))
-        else:
-            findings.append(
-                Finding(
-                    mode=Mode.UNEXPLAINED_SKEW,
-                    ranks=[],
-                    hosts=[],
-                    confidence=UNEXPLAINED_CONFIDENCE,
-                    lost_step_fraction=total_lost,
-                    noise_floor_fraction=jitter,
-                    evidence=(
-                        f"ranks lose {pct(total_lost)} of step time waiting at the sync point, "
-                        f"{pct(total_lost - jitter)} more than the run's own jitter explains, but no "
-                        "single rank, place, data wait or network pattern explains it"
-                    ),
-                    action="look at the per-rank lead heat map for a pattern the checks do not cover",
-                )
-            )
-    findings.sort(key=lambda f: -f.lost_step_fraction)
-    projection: dict[str, Any] = {}
-    if project_ranks:
-        findings, meta = project(
-            digest.sample,
-            findings,
-            project_ranks,
-            steps=cfg.projection_steps,
-            measured_lost_fraction=total_lost,
-        )
-        projection = meta.to_dict()
-        notes.append(
-            f"waiting costs {pct(total_lost)} of step time at {run.W} ranks (the run's own jitter "
-            f"explains {pct(jitter)}); projected {projection_text(meta.waiting)} (simulated; the "
-            "assumption is under projection)"
-        )
+    return findings
+
+
+def _no_finding(run: RunStats, total_lost: float, jitter: float) -> Finding:
+    """No check found anything worth acting on: healthy, or waiting that nothing explains."""
+    if total_lost - jitter < run.cfg.healthy_lost_fraction:
+        return _healthy(run, total_lost, jitter)
+    return Finding(
+        mode=Mode.UNEXPLAINED_SKEW,
+        ranks=[],
+        hosts=[],
+        confidence=UNEXPLAINED_CONFIDENCE,
+        lost_step_fraction=total_lost,
+        noise_floor_fraction=jitter,
+        evidence=(
+            f"ranks lose {pct(total_lost)} of step time waiting at the sync point, "
+            f"{pct(total_lost - jitter)} more than the run's own jitter explains, but no "
+            "single rank, place, data wait or network pattern explains it"
+        ),
+        action="look at the per-rank lead heat map for a pattern the checks do not cover",
+    )
+
+
+def _run_stats(a: RunLines, run: RunStats, total_lost: float, jitter: float) -> dict[str, Any]:
+    """The diagnosis's ``stats``: the run's numbers a reader compares runs by."""
     mean_step = float(a.step_ms.mean())
-    stats = {
+    return {
         "steps": run.S,
         "total_steps": a.total_steps,
         "world_size": run.W,
@@ -255,22 +293,6 @@ def diagnose_run(
         "pacing_active_share": float(a.pacing_active.mean()),
         "oversubscribed_hosts": [h.host for h in run.crowded],
     }
-    if rebalanced is not None:
-        stats["rebalance"] = rebalanced.to_dict()
-    head = findings[0]
-    summary = (
-        f"{head.mode.value.replace('_', ' ')}: {head.evidence}"
-        if head.mode is not Mode.HEALTHY
-        else f"healthy: {head.evidence}"
-    )
-    return Diagnosis(
-        findings=findings,
-        summary=summary,
-        stats=stats,
-        thresholds=cfg.to_dict(),
-        notes=notes,
-        projection=projection,
-    ), digest
 
 
 def _healthy(run: RunStats, total_lost: float, jitter: float) -> Finding:
