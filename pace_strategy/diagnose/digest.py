@@ -229,186 +229,231 @@ def digest_run(a: RunLines, cfg: DiagnosisConfig, *, use_opt: bool = True) -> Ru
     ``use_opt``: count a recorded optimizer step as the rank's own work between steps; a run that
     lacks it in some step (a timeline of records of two versions) counts its input only, as a run
     without it (read again, then: rare, and a second reduction every step costs more)."""
-    S, W = a.steps, a.world_size
-    noise = noise_ms(cfg, float(np.median(a.step_ms))) if S else cfg.slow_ms_floor
-    per_step: dict[str, np.ndarray] = {
-        name: np.full(S, np.nan)
-        for name in (
-            "transfer", "skew", "median_wait", "lost", "wait_others",
-            "compute_own", "compute_others", "data_own", "data_others",
-            "between_own", "between_others", "loop_own", "loop_others",
-            "gc_own", "gc_others", "local_others",
-        )
-    }  # fmt: skip
-    straggler = np.zeros(S, dtype=np.int64)
-    bound = np.ones(S, dtype=bool)
-    complete = {"gc_ms": True, "gc_collections": True, "host_bound": True}
-    local = np.asarray([x if x is not None and x >= 0 else -1 for x in a.topology("local_rank")])
-    by_local = len(local) > 0 and local.min() >= 0 and len(set(local.tolist())) >= 2
-    floor, growth = _Rows(floor_rows(S)), _Rows(growth_rows(np.random.default_rng(GROWTH_SEED), S))
-    sample = _Rows(sample_steps(S, cfg.projection_calibration_steps))
-    order, groups, heat_labels = _heat_layout(a, cfg)
-    heat = _Bins(S, cfg.max_heatmap_columns)
-    late_bins = _Bins(S, cfg.max_heatmap_columns)
-    late_groups = [[r] for r in range(W)] if groups is None else groups
-    late_count, late_sum = np.zeros(W, dtype=np.int64), np.zeros(W)
-    pauses: list[np.ndarray] = []
-    longest, collections = 0.0, 0.0
-    # the compute's per-rank mean and sum of squared deviations, merged block by block
-    count, mean, m2 = 0, np.zeros(W), np.zeros(W)
-    opt_before: np.ndarray | None = None  # the last row's optimizer step (the next row's "before")
-    lo = 0
+    digester = _Digester(a, cfg, use_opt)
     for block in a.rank_blocks():
+        if not digester.add(block):
+            return digest_run(a, cfg, use_opt=False)
+    return digester.result()
+
+
+class _Moments:
+    """Per-rank mean and sum of squared deviations, merged block by block (Chan et al.)."""
+
+    def __init__(self, ranks: int) -> None:
+        self.count, self.mean, self.m2 = 0, np.zeros(ranks), np.zeros(ranks)
+
+    def add(self, x: np.ndarray) -> None:
+        n = len(x)
+        block_mean = x.mean(axis=0)
+        deviation = x - block_mean
+        block_m2 = (deviation * deviation).sum(axis=0)
+        if self.count == 0:
+            self.mean, self.m2 = block_mean, block_m2
+        else:
+            total = self.count + n
+            delta = block_mean - self.mean
+            self.mean = self.mean + delta * (n / total)
+            self.m2 = self.m2 + block_m2 + delta * delta * (self.count * n / total)
+        self.count += n
+
+    @property
+    def std(self) -> np.ndarray:
+        return np.sqrt(self.m2 / max(self.count, 1))
+
+
+#: the per-step series the digester fills, one number per step
+_PER_STEP = (
+    "transfer", "skew", "median_wait", "lost", "wait_others",
+    "compute_own", "compute_others", "data_own", "data_others",
+    "between_own", "between_others", "loop_own", "loop_others",
+    "gc_own", "gc_others", "local_others",
+)  # fmt: skip
+
+
+class _Digester:
+    """The state of one pass of :func:`digest_run` over a run's blocks of steps."""
+
+    def __init__(self, a: RunLines, cfg: DiagnosisConfig, use_opt: bool) -> None:
+        S, W = a.steps, a.world_size
+        self.a, self.cfg, self.use_opt = a, cfg, use_opt
+        self.noise = noise_ms(cfg, float(np.median(a.step_ms))) if S else cfg.slow_ms_floor
+        self.per_step: dict[str, np.ndarray] = {name: np.full(S, np.nan) for name in _PER_STEP}
+        self.straggler = np.zeros(S, dtype=np.int64)
+        self.bound = np.ones(S, dtype=bool)
+        self.complete = {"gc_ms": True, "gc_collections": True, "host_bound": True}
+        local = np.asarray([x if x is not None and x >= 0 else -1 for x in a.topology("local_rank")])
+        self.local = local
+        self.by_local = len(local) > 0 and local.min() >= 0 and len(set(local.tolist())) >= 2
+        self.floor = _Rows(floor_rows(S))
+        self.growth = _Rows(growth_rows(np.random.default_rng(GROWTH_SEED), S))
+        self.sample = _Rows(sample_steps(S, cfg.projection_calibration_steps))
+        self.order, self.groups, self.heat_labels = _heat_layout(a, cfg)
+        self.heat = _Bins(S, cfg.max_heatmap_columns)
+        self.late_bins = _Bins(S, cfg.max_heatmap_columns)
+        self.late_groups = [[r] for r in range(W)] if self.groups is None else self.groups
+        self.late_count, self.late_sum = np.zeros(W, dtype=np.int64), np.zeros(W)
+        self.pauses: list[np.ndarray] = []
+        self.longest, self.collections = 0.0, 0.0
+        self.compute = _Moments(W)
+        self.opt_before: np.ndarray | None = None  # the last row's optimizer step (the next row's "before")
+        self.lo = 0
+
+    def add(self, block: dict[str, np.ndarray]) -> bool:
+        """One block of steps; ``False``: the optimizer step is missing from a block after others had
+        it, and the run must be read again without it."""
         w = block["wait"]
-        n = len(w)
-        at, rows = slice(lo, lo + n), np.arange(n)
+        n, lo = len(w), self.lo
+        at = slice(lo, lo + n)
         transfer = w.min(axis=1)
         late = w.argmin(axis=1)
-        straggler[at] = late
+        self._waits(w, at, transfer, late)
+        if not self._own_work(block, at, late):
+            return False
+        self._gc(block, at, late)
+        self._heat_and_lateness(w, at, transfer)
+        self.compute.add(block["compute"])
+        self.floor.add(lo, block, ("wait",))
+        self.growth.add(lo, block, ("wait",))
+        self.sample.add(lo, block, ("wait", "compute", "data", "gap", "samples", "tokens"))
+        self.lo += n
+        return True
+
+    def _waits(self, w: np.ndarray, at: slice, transfer: np.ndarray, late: np.ndarray) -> None:
+        per_step, lo = self.per_step, self.lo
+        self.straggler[at] = late
         per_step["transfer"][at] = transfer
         per_step["skew"][at] = w.max(axis=1) - transfer
         per_step["median_wait"][at] = np.median(w, axis=1)
         per_step["lost"][at] = (w - transfer[:, None]).mean(axis=1)
         per_step["wait_others"][at] = _median_without(w, late)
-        if by_local:
-            out = per_step["local_others"]
+        if self.by_local:
+            out, local = per_step["local_others"], self.local
             for index in set(local[late].tolist()):
                 mine = np.nonzero(local[late] == index)[0]
                 out[lo + mine] = np.median(w[np.ix_(mine, np.nonzero(local != index)[0])], axis=1)
 
-        def own_and_others(name: str, x: np.ndarray, at: slice = at, late: np.ndarray = late) -> None:
-            per_step[f"{name}_own"][at] = x[np.arange(len(late)), late]
-            per_step[f"{name}_others"][at] = _median_without(x, late)
+    def _own_and_others(self, name: str, x: np.ndarray, at: slice, late: np.ndarray) -> None:
+        self.per_step[f"{name}_own"][at] = x[np.arange(len(late)), late]
+        self.per_step[f"{name}_others"][at] = _median_without(x, late)
 
-        own_and_others("compute", block["compute"])
-        own_and_others("data", block["data"])
+    def _own_work(self, block: dict[str, np.ndarray], at: slice, late: np.ndarray) -> bool:
+        self._own_and_others("compute", block["compute"], at, late)
+        self._own_and_others("data", block["data"], at, late)
         # the gap before a step holds the rank's optimizer step of the step before (the first
         # step's own for the first), where recorded, and its input: its own work; the rest is the
         # framework's loop between steps
-        opt = block.get("opt") if use_opt else None
-        if use_opt and opt is None:
-            if lo:  # some step before had it
-                return digest_run(a, cfg, use_opt=False)
-            use_opt = False
+        opt = block.get("opt") if self.use_opt else None
+        if self.use_opt and opt is None:
+            if self.lo:  # some step before had it
+                return False
+            self.use_opt = False
         between = block["data"]
         if opt is not None:
-            before = np.concatenate([opt[:1] if opt_before is None else opt_before, opt[:-1]])
+            before = np.concatenate([opt[:1] if self.opt_before is None else self.opt_before, opt[:-1]])
             between = before + between
-            opt_before = opt[-1:]
-        own_and_others("between", between)
-        own_and_others("loop", np.clip(block["gap"] - between, 0.0, None))
+            self.opt_before = opt[-1:]
+        self._own_and_others("between", between, at, late)
+        self._own_and_others("loop", np.clip(block["gap"] - between, 0.0, None), at, late)
+        return True
+
+    def _gc(self, block: dict[str, np.ndarray], at: slice, late: np.ndarray) -> None:
         gc = block.get("gc_ms")
         if gc is not None:
             gc = np.nan_to_num(gc)
-            per_step["gc_own"][at] = gc[rows, late]
+            self.per_step["gc_own"][at] = gc[np.arange(len(late)), late]
             # the others' median only where the GC check reads it: the steps whose skew is above noise
-            costly = np.nonzero(per_step["skew"][at] >= noise)[0]
-            per_step["gc_others"][lo + costly] = _median_without(gc[costly], late[costly])
-            pauses.append(gc[gc >= noise])
-            longest = max(longest, float(gc.max())) if gc.size else longest
+            costly = np.nonzero(self.per_step["skew"][at] >= self.noise)[0]
+            self.per_step["gc_others"][self.lo + costly] = _median_without(gc[costly], late[costly])
+            self.pauses.append(gc[gc >= self.noise])
+            self.longest = max(self.longest, float(gc.max())) if gc.size else self.longest
         else:
-            complete["gc_ms"] = False
+            self.complete["gc_ms"] = False
         if "gc_collections" in block:
-            collections += float(np.nan_to_num(block["gc_collections"]).sum())
+            self.collections += float(np.nan_to_num(block["gc_collections"]).sum())
         else:
-            complete["gc_collections"] = False
+            self.complete["gc_collections"] = False
         if "host_bound" in block:
-            bound[at] = block["host_bound"][rows, late]
+            self.bound[at] = block["host_bound"][np.arange(len(late)), late]
         else:
-            complete["host_bound"] = False
+            self.complete["host_bound"] = False
+
+    def _heat_and_lateness(self, w: np.ndarray, at: slice, transfer: np.ndarray) -> None:
+        groups = self.groups
         # heat map rows: each rank's lead, or each node's mean lead (from its ranks' waits)
         if groups is None:
-            heat.add((w - transfer[:, None])[:, order])
+            self.heat.add((w - transfer[:, None])[:, self.order])
         else:
-            heat.add(np.stack([(w[:, g] - transfer[:, None]).mean(axis=1) for g in groups], axis=1))
+            self.heat.add(np.stack([(w[:, g] - transfer[:, None]).mean(axis=1) for g in groups], axis=1))
         # lateness against the step's median arrival: the median wait minus the rank's wait
-        lateness = per_step["median_wait"][at][:, None] - w
-        late_count += (lateness >= noise).sum(axis=0)
-        late_sum += lateness.sum(axis=0)
+        lateness = self.per_step["median_wait"][at][:, None] - w
+        self.late_count += (lateness >= self.noise).sum(axis=0)
+        self.late_sum += lateness.sum(axis=0)
         if groups is None:
-            late_bins.add(lateness)
+            self.late_bins.add(lateness)
         else:
-            late_bins.add(np.stack([lateness[:, g].mean(axis=1) for g in late_groups], axis=1))
-        c = block["compute"]
-        block_mean = c.mean(axis=0)
-        deviation = c - block_mean
-        block_m2 = (deviation * deviation).sum(axis=0)
-        if count == 0:
-            mean, m2 = block_mean, block_m2
-        else:
-            total = count + n
-            delta = block_mean - mean
-            mean = mean + delta * (n / total)
-            m2 = m2 + block_m2 + delta * delta * (count * n / total)
-        count += n
-        floor.add(lo, block, ("wait",))
-        growth.add(lo, block, ("wait",))
-        sample.add(lo, block, ("wait", "compute", "data", "gap", "samples", "tokens"))
-        lo += n
-    if lo != S:
-        raise ValueError(f"the record's per-rank numbers hold {lo} of its {S} steps")
-    complete["samples"] = sample.complete.get("samples", False)
-    complete["tokens"] = sample.complete.get("tokens", False)
-    for name in ("gc_ms", "gc_collections", "host_bound"):
-        complete[name] = complete[name] and S > 0
-    picked, values = sample.rows, sample.values
+            self.late_bins.add(np.stack([lateness[:, g].mean(axis=1) for g in self.late_groups], axis=1))
 
-    def sampled(name: str) -> np.ndarray:
-        return values.get(name, np.zeros((len(picked), W)))
+    def result(self) -> RunDigest:
+        a, S, W = self.a, self.a.steps, self.a.world_size
+        if self.lo != S:
+            raise ValueError(f"the record's per-rank numbers hold {self.lo} of its {S} steps")
+        complete, per_step, sample = self.complete, self.per_step, self.sample
+        complete["samples"] = sample.complete.get("samples", False)
+        complete["tokens"] = sample.complete.get("tokens", False)
+        for name in ("gc_ms", "gc_collections", "host_bound"):
+            complete[name] = complete[name] and S > 0
+        picked, values = sample.rows, sample.values
 
-    return RunDigest(
-        steps=S,
-        world=W,
-        transfer=per_step["transfer"],
-        straggler=straggler,
-        skew=per_step["skew"],
-        median_wait=per_step["median_wait"],
-        lost=per_step["lost"],
-        own={
-            "compute": per_step["compute_own"],
-            "data": per_step["data_own"],
-            "between": per_step["between_own"],
-            "loop": per_step["loop_own"],
-        },
-        others={
-            "wait": per_step["wait_others"],
-            "compute": per_step["compute_others"],
-            "data": per_step["data_others"],
-            "between": per_step["between_others"],
-            "loop": per_step["loop_others"],
-        },
-        local_others_wait=per_step["local_others"] if by_local else None,
-        host_bound=bound if complete["host_bound"] else None,
-        gc=GcDigest(
-            own=per_step["gc_own"],
-            others=per_step["gc_others"],
-            pauses=np.concatenate(pauses) if pauses else np.zeros(0),
-            longest=longest,
-            collections=collections if complete["gc_collections"] else None,
+        def sampled(name: str) -> np.ndarray:
+            return values.get(name, np.zeros((len(picked), W)))
+
+        return RunDigest(
+            steps=S,
+            world=W,
+            transfer=per_step["transfer"],
+            straggler=self.straggler,
+            skew=per_step["skew"],
+            median_wait=per_step["median_wait"],
+            lost=per_step["lost"],
+            own={name: per_step[f"{name}_own"] for name in ("compute", "data", "between", "loop")},
+            others={
+                name: per_step[f"{name}_others"] for name in ("wait", "compute", "data", "between", "loop")
+            },
+            local_others_wait=per_step["local_others"] if self.by_local else None,
+            host_bound=self.bound if complete["host_bound"] else None,
+            gc=self._gc_digest() if complete["gc_ms"] else None,
+            compute_mean=self.compute.mean,
+            compute_std=self.compute.std,
+            late_count=self.late_count,
+            late_sum=self.late_sum,
+            late_bins=self.late_bins.result(len(self.late_groups)),
+            late_labels=self.late_groups,
+            late_edges=self.late_bins.edges if self.late_bins.edges is not None else np.arange(S + 1),
+            # the floor's sampled waits are its own: reduced in place (1.3 GB at 20,000 x 8,192)
+            floor=jitter_floor(
+                self.floor.values.get("wait", np.zeros((0, W))), a.step_ms, overwrite_input=True
+            ),
+            growth_wait=self.growth.values.get("wait", np.zeros((0, W))),
+            sample=RunArrays.of(
+                a.lines_only().select(picked),
+                wait=sampled("wait"),
+                compute=sampled("compute"),
+                data=sampled("data"),
+                gap=sampled("gap"),
+                samples=values["samples"] if complete["samples"] else None,
+                tokens=values["tokens"] if complete["tokens"] else None,
+            ),
+            sample_rows=picked,
+            heat=self.heat.result(len(self.heat_labels)),
+            heat_labels=self.heat_labels,
+            heat_binned=self.heat.binned,
         )
-        if complete["gc_ms"]
-        else None,
-        compute_mean=mean,
-        compute_std=np.sqrt(m2 / max(count, 1)),
-        late_count=late_count,
-        late_sum=late_sum,
-        late_bins=late_bins.result(len(late_groups)),
-        late_labels=late_groups,
-        late_edges=late_bins.edges if late_bins.edges is not None else np.arange(S + 1),
-        # the floor's sampled waits are its own: reduced in place (1.3 GB at 20,000 x 8,192)
-        floor=jitter_floor(floor.values.get("wait", np.zeros((0, W))), a.step_ms, overwrite_input=True),
-        growth_wait=growth.values.get("wait", np.zeros((0, W))),
-        sample=RunArrays.of(
-            a.lines_only().select(picked),
-            wait=sampled("wait"),
-            compute=sampled("compute"),
-            data=sampled("data"),
-            gap=sampled("gap"),
-            samples=values["samples"] if complete["samples"] else None,
-            tokens=values["tokens"] if complete["tokens"] else None,
-        ),
-        sample_rows=picked,
-        heat=heat.result(len(heat_labels)),
-        heat_labels=heat_labels,
-        heat_binned=heat.binned,
-    )
+
+    def _gc_digest(self) -> GcDigest:
+        return GcDigest(
+            own=self.per_step["gc_own"],
+            others=self.per_step["gc_others"],
+            pauses=np.concatenate(self.pauses) if self.pauses else np.zeros(0),
+            longest=self.longest,
+            collections=self.collections if self.complete["gc_collections"] else None,
+        )
