@@ -184,22 +184,14 @@ def slow_group(run: RunStats, explained: set[int]) -> list[Finding]:
     of a pipeline stage (one rank too, where the stage has one), ``locality`` for one coordinate in
     every replica, else ``persistent_straggler`` (a tensor-parallel group said as such). One such rank
     otherwise is left to the one-rank check."""
-    cfg, a = run.cfg, run.a
-    if run.W < MIN_RANKS:
+    found = _slow_members(run, explained)
+    if found is None:
         return []
+    members, kind, bulk_compute = found
+    cfg, a = run.cfg, run.a
     late_share = run.digest.late_count / max(run.S, 1)
     mean_late = run.digest.late_sum / max(run.S, 1)
     compute = run.digest.compute_mean
-    slow = [r for r in range(run.W) if r not in explained and late_share[r] >= cfg.persistent_share]
-    if not 1 <= len(slow) <= run.W // 2:
-        return []
-    bulk_compute = float(np.median(np.delete(compute, slow)))
-    # slow by their own compute: a rank that is late only because it started late (a slower
-    # network path) is left to the one-rank check, which says so
-    members = [r for r in slow if compute[r] - bulk_compute >= cfg.compute_late_fraction * mean_late[r]]
-    kind = _kind(run, members) if members else None
-    if kind is None:
-        return []
     mask = np.isin(run.straggler, members)
     recovery = _recovery(run, members)
     shared, differ = shared_placement(run, members)
@@ -213,12 +205,6 @@ def slow_group(run: RunStats, explained: set[int]) -> list[Finding]:
         }
         for r in members
     ]
-    excess = ", ".join(
-        f"rank {p['rank']} {p['compute_excess_ms']:+.1f} ms ({p['compute_excess_fraction']:+.0%}, late in "
-        f"{pct(p['late_share'])})"
-        for p in per_rank
-    )
-    split = f" (split {recovery.rebalance_samples} samples per rank)" if recovery.rebalance_samples else ""
     # What the group costs is the step time its slowness adds: the bulk waits for it, and its own
     # ranks do not (the waiting of the others understates it by the group's share of the ranks).
     # Jitter alone saves the difference between the slowest of W and of W - k ranks.
@@ -240,26 +226,7 @@ def slow_group(run: RunStats, explained: set[int]) -> list[Finding]:
         f"to the step, the others losing {pct(run.lost_when(mask))} of it waiting"
     )
     if kind.mode is Mode.STAGE_IMBALANCE:
-        stages = _stage_compute(run)
-        mean_stage = float(np.mean(list(stages.values())))
-        repartition = (stages[kind.value] - mean_stage) / max(run.median_step, EPSILON)
-        details.update(
-            stage=kind.value,
-            stage_compute_ms={str(k): v for k, v in stages.items()},
-            recovery_repartition_fraction=max(0.0, repartition),
-        )
-        evidence = (
-            f"{kind.what} computes {stages[kind.value]:.1f} ms per step against "
-            f"{_stage_text(stages, kind.value)} for the other stages, in every replica: every other stage "
-            f"waits for it (the pipeline's bubble; {cost}); waits in pipeline receives are waiting behind "
-            "this stage, not the network"
-        )
-        action = (
-            "repartition the layers across the stages: move layers off this stage (the stage with the "
-            "loss and the output layer is the usual one, its vocabulary projection the usual excess); "
-            f"balanced stages ({mean_stage:.1f} ms each) would recover about {pct(max(0.0, repartition))} "
-            "of the step; pacing or rebalancing within the data-parallel group cannot"
-        )
+        evidence, action = _stage_words(run, kind, cost, details)
     else:
         details.update(
             recovery_rebalance_fraction=recovery.rebalance_step_fraction,
@@ -267,30 +234,7 @@ def slow_group(run: RunStats, explained: set[int]) -> list[Finding]:
             recovery_exclude_fraction=recovery.exclude_step_fraction,
             exclude_throughput_ratio=recovery.exclude_throughput,
         )
-        slowest = max(members, key=lambda r: compute[r])
-        inside = (
-            f"; its slowest member by compute is rank {slowest}"
-            if kind.key == "tp" and compute[slowest] - float(np.median(compute[members])) >= run.noise_ms()
-            else ""
-        )
-        evidence = (
-            f"{kind.what} slower than the bulk in most steps"
-            + (
-                f", taking turns being last (together last in {pct(float(mask.mean()))} of {run.S:,} steps; "
-                if len(members) > 1
-                else " ("
-            )
-            + f"{cost}); compute against the others' median {bulk_compute:.1f} ms: {excess}{inside}; "
-            f"{_placement_text(shared, differ)}"
-        )
-        action = (
-            "these ranks' own work is slow; pacing cannot shorten their steps. Rebalancing "
-            f"(PacingConfig(rebalance=True)) would recover about {pct(recovery.rebalance_step_fraction)} "
-            f"of the step{split}; running without them (excluding their hosts at the next launch) "
-            f"would shorten the step by {pct(recovery.exclude_step_fraction)}, "
-            f"{recovery.exclude_throughput - 1:+.0%} samples/s with {run.W - len(members)} ranks"
-            + (f"; look first at what they share ({', '.join(shared)})" if shared else "")
-        )
+        evidence, action = _group_words(run, kind, per_rank, bulk_compute, recovery, (shared, differ), cost)
     explained.update(members)
     return [
         Finding(
@@ -306,6 +250,99 @@ def slow_group(run: RunStats, explained: set[int]) -> list[Finding]:
             details=details,
         )
     ]
+
+
+def _slow_members(run: RunStats, explained: set[int]) -> tuple[list[int], _Kind, float] | None:
+    """The ranks not yet explained that are late in at least ``persistent_share`` of steps by their own
+    compute (1 up to W/2 of them), what they are in the mesh, and the bulk's median compute; ``None``
+    where they are not a group :func:`_kind` names."""
+    cfg = run.cfg
+    if run.W < MIN_RANKS:
+        return None
+    late_share = run.digest.late_count / max(run.S, 1)
+    mean_late = run.digest.late_sum / max(run.S, 1)
+    compute = run.digest.compute_mean
+    slow = [r for r in range(run.W) if r not in explained and late_share[r] >= cfg.persistent_share]
+    if not 1 <= len(slow) <= run.W // 2:
+        return None
+    bulk_compute = float(np.median(np.delete(compute, slow)))
+    # slow by their own compute: a rank that is late only because it started late (a slower
+    # network path) is left to the one-rank check, which says so
+    members = [r for r in slow if compute[r] - bulk_compute >= cfg.compute_late_fraction * mean_late[r]]
+    kind = _kind(run, members) if members else None
+    return None if kind is None else (members, kind, bulk_compute)
+
+
+def _stage_words(run: RunStats, kind: _Kind, cost: str, details: dict[str, Any]) -> tuple[str, str]:
+    """A whole pipeline stage: each stage's compute (into ``details``), the evidence and the action."""
+    stages = _stage_compute(run)
+    mean_stage = float(np.mean(list(stages.values())))
+    repartition = (stages[kind.value] - mean_stage) / max(run.median_step, EPSILON)
+    details.update(
+        stage=kind.value,
+        stage_compute_ms={str(k): v for k, v in stages.items()},
+        recovery_repartition_fraction=max(0.0, repartition),
+    )
+    evidence = (
+        f"{kind.what} computes {stages[kind.value]:.1f} ms per step against "
+        f"{_stage_text(stages, kind.value)} for the other stages, in every replica: every other stage "
+        f"waits for it (the pipeline's bubble; {cost}); waits in pipeline receives are waiting behind "
+        "this stage, not the network"
+    )
+    action = (
+        "repartition the layers across the stages: move layers off this stage (the stage with the "
+        "loss and the output layer is the usual one, its vocabulary projection the usual excess); "
+        f"balanced stages ({mean_stage:.1f} ms each) would recover about {pct(max(0.0, repartition))} "
+        "of the step; pacing or rebalancing within the data-parallel group cannot"
+    )
+    return evidence, action
+
+
+def _group_words(
+    run: RunStats,
+    kind: _Kind,
+    per_rank: list[dict[str, Any]],
+    bulk_compute: float,
+    recovery: _Recovery,
+    placement: tuple[dict[str, Any], dict[str, list[Any]]],
+    cost: str,
+) -> tuple[str, str]:
+    """Slow ranks that are not a stage: each one's excess, what they share, what would recover it."""
+    members = [p["rank"] for p in per_rank]
+    compute = run.digest.compute_mean
+    shared, differ = placement
+    mask = np.isin(run.straggler, members)
+    excess = ", ".join(
+        f"rank {p['rank']} {p['compute_excess_ms']:+.1f} ms ({p['compute_excess_fraction']:+.0%}, late in "
+        f"{pct(p['late_share'])})"
+        for p in per_rank
+    )
+    split = f" (split {recovery.rebalance_samples} samples per rank)" if recovery.rebalance_samples else ""
+    slowest = max(members, key=lambda r: compute[r])
+    inside = (
+        f"; its slowest member by compute is rank {slowest}"
+        if kind.key == "tp" and compute[slowest] - float(np.median(compute[members])) >= run.noise_ms()
+        else ""
+    )
+    evidence = (
+        f"{kind.what} slower than the bulk in most steps"
+        + (
+            f", taking turns being last (together last in {pct(float(mask.mean()))} of {run.S:,} steps; "
+            if len(members) > 1
+            else " ("
+        )
+        + f"{cost}); compute against the others' median {bulk_compute:.1f} ms: {excess}{inside}; "
+        f"{_placement_text(shared, differ)}"
+    )
+    action = (
+        "these ranks' own work is slow; pacing cannot shorten their steps. Rebalancing "
+        f"(PacingConfig(rebalance=True)) would recover about {pct(recovery.rebalance_step_fraction)} "
+        f"of the step{split}; running without them (excluding their hosts at the next launch) "
+        f"would shorten the step by {pct(recovery.exclude_step_fraction)}, "
+        f"{recovery.exclude_throughput - 1:+.0%} samples/s with {run.W - len(members)} ranks"
+        + (f"; look first at what they share ({', '.join(shared)})" if shared else "")
+    )
+    return evidence, action
 
 
 def _stage_compute(run: RunStats) -> dict[Any, float]:
