@@ -176,102 +176,105 @@ def persistent_or_late_start(run: RunStats, explained: set[int]) -> list[Finding
     bursty host), told apart by what made it late: its own work (compute, or its time between steps)
     or a start delayed by its previous collective completing late on it (the network)."""
     out = []
-    cfg = run.cfg
-    noise = run.noise_ms()
-    total_lost = float(run.lost_per_step.sum())
     for r in range(run.W):
         mask = run.straggler == r
         if r in explained or not mask.any():
             continue
-        late_steps = run.late_ms(mask)
-        weights = np.clip(late_steps, 0.0, None)
-        compute_excess = run.own("compute", mask) - run.others("compute", mask)
-        own_excess = run.own("between", mask) - run.others("between", mask)
-        loop_excess = run.own("loop", mask) - run.others("loop", mask)
-        loss_share = float(run.lost_per_step[mask].sum()) / total_lost if total_lost > 0 else 0.0
-        median_late, weighted_late = float(np.median(late_steps)), _weighted(late_steps, weights)
-        steady = (
-            run.share[r] >= cfg.persistent_share
-            and median_late >= noise
-            and median_late >= STEADY_MEDIAN_FRACTION * weighted_late
-        )
-        tail = not steady and loss_share >= cfg.tail_loss_share and weighted_late >= noise
-        if not (steady or tail):
-            continue
-        # Late by a steady amount: quoted at the median. Late in bursts: the wait-weighted mean over
-        # its late steps, where the time is lost (the median of such a rank is near zero).
-        late = median_late if steady else weighted_late
-        # What made it late, in the same weighting: per step the lateness is the sum of the excess
-        # compute, the excess own work and loop between steps, and the previous collective completing
-        # later on this rank, so the weighted means add up and say which part costs the time.
-        compute_late, own_late = _weighted(compute_excess, weights), _weighted(own_excess, weights)
-        loop_late = _weighted(loop_excess, weights)
-        explained.add(r)
-        how_late = (
-            f"{late:.1f} ms late on average over those steps, weighted by the wait each caused (median "
-            f"{median_late:.1f} ms, p90 {float(np.percentile(late_steps, 90)):.1f} ms); "
-            f"those steps hold {pct(loss_share)} of all the time the ranks lost waiting"
-            if tail
-            else f"{late:.1f} ms late at the median"
-        )
-        last_in = f"arrived last in {pct(float(run.share[r]))} of {run.S:,} steps"
-        head = f"{run.a.describe_rank(r)} {last_in}, {how_late}"
-        details = {
-            "late_ms": late,
-            "compute_late_ms": compute_late,
-            "own_between_steps_late_ms": own_late,
-            "loop_late_ms": loop_late,
-            "lost_share": loss_share,
-            "measure": "weighted_mean" if tail else "median",
-        }
-        if compute_late >= cfg.compute_late_fraction * late:
-            cause = f"its own compute took {compute_late:.1f} ms longer than the other ranks' median"
-        elif compute_late + own_late >= cfg.compute_late_fraction * late:
-            cause = (
-                f"its own work took longer: compute {compute_late:+.1f} ms and its own work between "
-                f"steps (its optimizer step and its input) {own_late:+.1f} ms against the other ranks' "
-                "median"
-            )
-        else:
-            cause = ""
-        if cause:
-            per_sample = per_sample_text(run.digest.sample, r, mask[run.digest.sample_rows])
-            out.append(
-                _rank_finding(
-                    run,
-                    Mode.PERSISTENT_STRAGGLER,
-                    r,
-                    mask,
-                    confidence=max(float(run.share[r]), loss_share) if tail else float(run.share[r]),
-                    evidence=f"{head}; {cause}{per_sample}",
-                    action=_straggler_action(run, tail),
-                    details=details,
-                )
-            )
-            continue
-        out.append(
-            _rank_finding(
-                run,
-                Mode.FABRIC_CONTENTION,
-                r,
-                mask,
-                confidence=float(run.share[r]) * LATE_START_CONFIDENCE_FACTOR,
-                evidence=(
-                    f"{head}, but its own work was normal (compute {compute_late:+.1f} ms, optimizer step "
-                    f"and input {own_late:+.1f} ms against the other ranks' median): it started each step "
-                    f"late, {loop_late:+.1f} ms in the framework's loop between steps, where the "
-                    "framework's own collectives run (Lightning broadcasts from rank 0 every step) and "
-                    "complete late on a rank behind a slower path; its lateness comes from the network, "
-                    "not from the rank"
-                ),
-                action=(
-                    "look at this rank's network path (link rate, switch port, oversubscribed uplink); "
-                    "the rank itself is healthy and must not be paced or replaced"
-                ),
-                details=details,
-            )
-        )
+        finding = _late_rank(run, r, mask)
+        if finding is not None:
+            explained.add(r)
+            out.append(finding)
     return out
+
+
+def _late_rank(run: RunStats, r: int, mask: np.ndarray) -> Finding | None:
+    """Rank ``r``'s finding, when it is late steadily or in the costly steps (``mask``: the steps it
+    was last in), else ``None``."""
+    cfg = run.cfg
+    noise = run.noise_ms()
+    total_lost = float(run.lost_per_step.sum())
+    late_steps = run.late_ms(mask)
+    weights = np.clip(late_steps, 0.0, None)
+    compute_excess = run.own("compute", mask) - run.others("compute", mask)
+    own_excess = run.own("between", mask) - run.others("between", mask)
+    loop_excess = run.own("loop", mask) - run.others("loop", mask)
+    loss_share = float(run.lost_per_step[mask].sum()) / total_lost if total_lost > 0 else 0.0
+    median_late, weighted_late = float(np.median(late_steps)), _weighted(late_steps, weights)
+    steady = (
+        run.share[r] >= cfg.persistent_share
+        and median_late >= noise
+        and median_late >= STEADY_MEDIAN_FRACTION * weighted_late
+    )
+    tail = not steady and loss_share >= cfg.tail_loss_share and weighted_late >= noise
+    if not (steady or tail):
+        return None
+    # Late by a steady amount: quoted at the median. Late in bursts: the wait-weighted mean over
+    # its late steps, where the time is lost (the median of such a rank is near zero).
+    late = median_late if steady else weighted_late
+    # What made it late, in the same weighting: per step the lateness is the sum of the excess
+    # compute, the excess own work and loop between steps, and the previous collective completing
+    # later on this rank, so the weighted means add up and say which part costs the time.
+    compute_late, own_late = _weighted(compute_excess, weights), _weighted(own_excess, weights)
+    loop_late = _weighted(loop_excess, weights)
+    how_late = (
+        f"{late:.1f} ms late on average over those steps, weighted by the wait each caused (median "
+        f"{median_late:.1f} ms, p90 {float(np.percentile(late_steps, 90)):.1f} ms); "
+        f"those steps hold {pct(loss_share)} of all the time the ranks lost waiting"
+        if tail
+        else f"{late:.1f} ms late at the median"
+    )
+    last_in = f"arrived last in {pct(float(run.share[r]))} of {run.S:,} steps"
+    head = f"{run.a.describe_rank(r)} {last_in}, {how_late}"
+    details = {
+        "late_ms": late,
+        "compute_late_ms": compute_late,
+        "own_between_steps_late_ms": own_late,
+        "loop_late_ms": loop_late,
+        "lost_share": loss_share,
+        "measure": "weighted_mean" if tail else "median",
+    }
+    if compute_late >= cfg.compute_late_fraction * late:
+        cause = f"its own compute took {compute_late:.1f} ms longer than the other ranks' median"
+    elif compute_late + own_late >= cfg.compute_late_fraction * late:
+        cause = (
+            f"its own work took longer: compute {compute_late:+.1f} ms and its own work between "
+            f"steps (its optimizer step and its input) {own_late:+.1f} ms against the other ranks' "
+            "median"
+        )
+    else:
+        cause = ""
+    if cause:
+        per_sample = per_sample_text(run.digest.sample, r, mask[run.digest.sample_rows])
+        return _rank_finding(
+            run,
+            Mode.PERSISTENT_STRAGGLER,
+            r,
+            mask,
+            confidence=max(float(run.share[r]), loss_share) if tail else float(run.share[r]),
+            evidence=f"{head}; {cause}{per_sample}",
+            action=_straggler_action(run, tail),
+            details=details,
+        )
+    return _rank_finding(
+        run,
+        Mode.FABRIC_CONTENTION,
+        r,
+        mask,
+        confidence=float(run.share[r]) * LATE_START_CONFIDENCE_FACTOR,
+        evidence=(
+            f"{head}, but its own work was normal (compute {compute_late:+.1f} ms, optimizer step "
+            f"and input {own_late:+.1f} ms against the other ranks' median): it started each step "
+            f"late, {loop_late:+.1f} ms in the framework's loop between steps, where the "
+            "framework's own collectives run (Lightning broadcasts from rank 0 every step) and "
+            "complete late on a rank behind a slower path; its lateness comes from the network, "
+            "not from the rank"
+        ),
+        action=(
+            "look at this rank's network path (link rate, switch port, oversubscribed uplink); "
+            "the rank itself is healthy and must not be paced or replaced"
+        ),
+        details=details,
+    )
 
 
 def _straggler_action(run: RunStats, bursty: bool = False) -> str:
