@@ -233,16 +233,7 @@ def _late_rank(run: RunStats, r: int, mask: np.ndarray) -> Finding | None:
         "lost_share": loss_share,
         "measure": "weighted_mean" if tail else "median",
     }
-    if compute_late >= cfg.compute_late_fraction * late:
-        cause = f"its own compute took {compute_late:.1f} ms longer than the other ranks' median"
-    elif compute_late + own_late >= cfg.compute_late_fraction * late:
-        cause = (
-            f"its own work took longer: compute {compute_late:+.1f} ms and its own work between "
-            f"steps (its optimizer step and its input) {own_late:+.1f} ms against the other ranks' "
-            "median"
-        )
-    else:
-        cause = ""
+    cause = _own_work_cause(cfg.compute_late_fraction * late, compute_late, own_late)
     if cause:
         per_sample = per_sample_text(run.digest.sample, r, mask[run.digest.sample_rows])
         return _rank_finding(
@@ -275,6 +266,19 @@ def _late_rank(run: RunStats, r: int, mask: np.ndarray) -> Finding | None:
         ),
         details=details,
     )
+
+
+def _own_work_cause(enough_ms: float, compute_late: float, own_late: float) -> str:
+    """Why a rank was late when its own work explains at least ``enough_ms`` of it, else ``""``."""
+    if compute_late >= enough_ms:
+        return f"its own compute took {compute_late:.1f} ms longer than the other ranks' median"
+    if compute_late + own_late >= enough_ms:
+        return (
+            f"its own work took longer: compute {compute_late:+.1f} ms and its own work between "
+            f"steps (its optimizer step and its input) {own_late:+.1f} ms against the other ranks' "
+            "median"
+        )
+    return ""
 
 
 def _straggler_action(run: RunStats, bursty: bool = False) -> str:

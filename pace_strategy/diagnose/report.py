@@ -68,37 +68,52 @@ def _mark_episodes(ax: Any, a: RunLines, diagnosis: Diagnosis, digest: RunDigest
 
 
 def _figures(a: RunLines, cfg: DiagnosisConfig, diagnosis: Diagnosis, digest: RunDigest) -> dict[str, bytes]:
+    """Every plot of the report, as PNG bytes by name (a plot with nothing to show is left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out: dict[str, bytes] = {}
-    steps = a.step
-    transfer, skew = digest.transfer, digest.skew
-
-    def save(name: str, fig: Any) -> None:
+    plots = {
+        "skew": _skew_plot,
+        "lead_heatmap": _heatmap_plot,
+        "stragglers": _stragglers_plot,
+        "step_time": _step_time_plot,
+        "delays": _delays_plot,
+        "projection": _projection_plot,
+    }
+    for name, plot in plots.items():
+        fig = plot(plt, a, cfg, diagnosis, digest)
+        if fig is None:
+            continue
         buf = io.BytesIO()
         fig.tight_layout()
         fig.savefig(buf, format="png", dpi=110)
         plt.close(fig)
         out[name] = buf.getvalue()
+    return out
 
-    idx, sk = _bin_steps(skew, cfg.max_heatmap_columns)
+
+def _skew_plot(plt: Any, a: RunLines, cfg: DiagnosisConfig, diagnosis: Diagnosis, digest: RunDigest) -> Any:
+    idx, sk = _bin_steps(digest.skew, cfg.max_heatmap_columns)
     fig, ax = plt.subplots(figsize=(9, 3))
-    ax.plot(steps[idx], sk, lw=0.8, label="skew")
-    _, tr = _bin_steps(transfer, cfg.max_heatmap_columns)
-    ax.plot(steps[idx], tr, lw=0.8, alpha=0.7, label="transfer (min wait)")
+    ax.plot(a.step[idx], sk, lw=0.8, label="skew")
+    _, tr = _bin_steps(digest.transfer, cfg.max_heatmap_columns)
+    ax.plot(a.step[idx], tr, lw=0.8, alpha=0.7, label="transfer (min wait)")
     ax.set_xlabel("step")
     ax.set_ylabel("ms")
     ax.set_title("Skew at the sync point over steps")
     ax.legend(loc="upper right")
-    save("skew", fig)
+    return fig
 
+
+def _heatmap_plot(
+    plt: Any, a: RunLines, cfg: DiagnosisConfig, diagnosis: Diagnosis, digest: RunDigest
+) -> Any:
     # ranks x steps, grouped by node; aggregated by node for very many ranks (each node's mean lead
     # from its own ranks' waits), binned over steps as _bin_steps bins: the digest's
     binned, labels = digest.heat, digest.heat_labels
-    nodes = [str(n) for n in a.topology("node_rank")]
     fig, ax = plt.subplots(figsize=(9, max(2.5, min(8.0, 0.25 * len(labels) + 1.5))))
     im = ax.imshow(binned.T, aspect="auto", interpolation="nearest", cmap="viridis")
     ax.set_xlabel(f"step bin ({digest.steps} steps)" if digest.heat_binned else "step")
@@ -108,11 +123,16 @@ def _figures(a: RunLines, cfg: DiagnosisConfig, diagnosis: Diagnosis, digest: Ru
     ax.set_title("Lead per rank (ms early at the sync point; 0 = straggler)")
     fig.colorbar(im, ax=ax, label="lead ms")
     _mark_episodes(ax, a, diagnosis, digest)
-    save("lead_heatmap", fig)
+    return fig
 
+
+def _stragglers_plot(
+    plt: Any, a: RunLines, cfg: DiagnosisConfig, diagnosis: Diagnosis, digest: RunDigest
+) -> Any:
     counts = np.bincount(digest.straggler, minlength=a.world_size) / max(a.steps, 1)
     fig, ax = plt.subplots(figsize=(9, 3))
     if a.world_size > cfg.max_heatmap_rows:
+        nodes = [str(n) for n in a.topology("node_rank")]
         per_node: dict[str, float] = {}
         for r in range(a.world_size):
             per_node[nodes[r]] = per_node.get(nodes[r], 0.0) + counts[r]
@@ -121,8 +141,12 @@ def _figures(a: RunLines, cfg: DiagnosisConfig, diagnosis: Diagnosis, digest: Ru
         index_bars(ax, counts.tolist(), "rank")
     ax.set_ylabel("share of steps last")
     ax.set_title("How often each rank was the straggler")
-    save("stragglers", fig)
+    return fig
 
+
+def _step_time_plot(
+    plt: Any, a: RunLines, cfg: DiagnosisConfig, diagnosis: Diagnosis, digest: RunDigest
+) -> Any:
     fig, ax = plt.subplots(figsize=(9, 3))
     paced = a.pacing_active
     bins = np.linspace(np.percentile(a.step_ms, 0.5), np.percentile(a.step_ms, 99.5), 60).tolist()
@@ -133,36 +157,42 @@ def _figures(a: RunLines, cfg: DiagnosisConfig, diagnosis: Diagnosis, digest: Ru
     ax.set_ylabel("steps")
     ax.set_title("Step-time distribution with and without pacing")
     ax.legend()
-    save("step_time", fig)
+    return fig
 
-    _, dl = _bin_steps(a.step_delay_max, cfg.max_heatmap_columns)
+
+def _delays_plot(plt: Any, a: RunLines, cfg: DiagnosisConfig, diagnosis: Diagnosis, digest: RunDigest) -> Any:
+    idx, dl = _bin_steps(a.step_delay_max, cfg.max_heatmap_columns)
     fig, ax = plt.subplots(figsize=(9, 2.6))
-    ax.plot(steps[idx], dl, lw=0.8, color="tab:red")
+    ax.plot(a.step[idx], dl, lw=0.8, color="tab:red")
     ax.set_xlabel("step")
     ax.set_ylabel("ms")
     ax.set_title("Largest pacing delay applied per step")
-    save("delays", fig)
+    return fig
 
+
+def _projection_plot(
+    plt: Any, a: RunLines, cfg: DiagnosisConfig, diagnosis: Diagnosis, digest: RunDigest
+) -> Any:
     projected = [f for f in diagnosis.findings if f.projection]
-    if projected:
-        fig, ax = plt.subplots(figsize=(9, 3.6))
-        for f in projected:
-            xs = [a.world_size] + [int(p["ranks"]) for p in f.projection]
-            ys = [100 * f.lost_step_fraction] + [100 * float(p["lost_fraction"]) for p in f.projection]
-            where = f" (ranks {', '.join(map(str, f.ranks))})" if f.ranks and len(f.ranks) <= 4 else ""
-            (line,) = ax.plot(xs[1:], ys[1:], marker="o", lw=1.2, label=f"{f.mode}{where}")
-            ax.plot(xs[:1], ys[:1], marker="s", ms=8, color=line.get_color(), ls="none")
-        ax.set_xscale("log", base=2)
-        ticks = sorted({a.world_size, *(int(p["ranks"]) for f in projected for p in f.projection)})
-        ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
-        ax.minorticks_off()
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("ranks (square: measured at the recorded size; circles: simulated)")
-        ax.set_ylabel("% of step time")
-        ax.set_title("What each finding would cost at scale (simulator calibrated on this run)")
-        ax.legend(fontsize=8)
-        save("projection", fig)
-    return out
+    if not projected:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    for f in projected:
+        xs = [a.world_size] + [int(p["ranks"]) for p in f.projection]
+        ys = [100 * f.lost_step_fraction] + [100 * float(p["lost_fraction"]) for p in f.projection]
+        where = f" (ranks {', '.join(map(str, f.ranks))})" if f.ranks and len(f.ranks) <= 4 else ""
+        (line,) = ax.plot(xs[1:], ys[1:], marker="o", lw=1.2, label=f"{f.mode}{where}")
+        ax.plot(xs[:1], ys[:1], marker="s", ms=8, color=line.get_color(), ls="none")
+    ax.set_xscale("log", base=2)
+    ticks = sorted({a.world_size, *(int(p["ranks"]) for f in projected for p in f.projection)})
+    ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("ranks (square: measured at the recorded size; circles: simulated)")
+    ax.set_ylabel("% of step time")
+    ax.set_title("What each finding would cost at scale (simulator calibrated on this run)")
+    ax.legend(fontsize=8)
+    return fig
 
 
 def _at_scale(f: Any) -> str:
