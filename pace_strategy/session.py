@@ -178,15 +178,19 @@ class PacingSession:
         framework: str,
         node_rank: int | None = None,
         local_rank: int | None = None,
+        coordinates: Mapping[str, int] | None = None,
         **kwargs: Any,
     ) -> PacingSession:
         """Gather every rank's placement on ``group`` and build the session. Collective on every rank.
 
         ``node_rank`` / ``local_rank`` override what the environment says about this rank's place;
+        ``coordinates``: its device-mesh coordinates (``telemetry.topology.mesh_coordinates``);
         ``kwargs`` are the constructor's other arguments (``log_dir``, ``metrics_sink``, ``clock``,
         ``owns_group``).
         """
-        placement = local_placement(rank, device, node_rank=node_rank, local_rank=local_rank)
+        placement = local_placement(
+            rank, device, node_rank=node_rank, local_rank=local_rank, coordinates=coordinates
+        )
         topology = gather_json(group, rank, world_size, placement.to_dict(), config.exchange_timeout_s)
         return cls(
             config,

@@ -47,6 +47,7 @@ from pace_strategy.integrations.env import (
 )
 from pace_strategy.integrations.rebalance import DataRebalance
 from pace_strategy.session import PacingSession
+from pace_strategy.telemetry.topology import mesh_coordinates
 
 __all__ = ["Pace", "PaceSummary", "attach"]
 
@@ -135,6 +136,8 @@ def attach(
     pacing: PacingArg = None,
     run_dir: str | os.PathLike[str] | None = None,
     writer: Any | None = None,
+    mesh: Any | None = None,
+    pipeline_stage: int | None = None,
 ) -> Pace:
     """Monitor and pace ``model`` (a ``DistributedDataParallel`` model, or one sharded with FSDP2's
     ``fully_shard``) in a plain PyTorch training loop. Collective: every rank, after the model is
@@ -147,8 +150,15 @@ def attach(
             ``$PACE_RUN_DIR``, else ``./pace_runs/<date-time>``.
         writer: a TensorBoard ``SummaryWriter`` (or anything with ``add_scalar(tag, value, step)``)
             that gets the ``pace/`` tags on rank 0, off the training thread. ``None``: the record only.
+        mesh: the ``DeviceMesh`` the model trains on, with named dimensions (``dp_replicate``,
+            ``dp_shard``, ``tp``, ``pp``, ``cp``, or Lightning's ``data_parallel``/``tensor_parallel``):
+            each rank's coordinates go into the run record, where ``pace diagnose`` names a slow
+            pipeline stage, one coordinate slow in every replica and a slow tensor-parallel group.
+        pipeline_stage: this rank's pipeline stage, for a loop whose schedule pace_strategy does not
+            see (the same as a ``pp`` dimension of ``mesh``).
     """
     config = as_pacing_config(pacing) if pacing is not None else config_from_env() or PacingConfig()
+    coordinates = mesh_coordinates(mesh, pipeline_stage)  # a bad mesh fails here, on every rank
     world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     if runs_alone(world_size, run_dir, record_alone=False, runs_as="attach does nothing"):
         return Pace(model, config, None)
@@ -167,6 +177,7 @@ def attach(
         log_dir=log_dir,
         metrics_sink=None if writer is None else functools.partial(add_scalars, writer),
         dashboard=None if writer is None else custom_scalars_sink(lambda: [writer]),
+        coordinates=coordinates,
     )
     pace = Pace(model, config, session)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,7 +14,27 @@ from pace_strategy.core.evidence import process_start
 if TYPE_CHECKING:  # only a rank that is training places itself; readers of the record need no torch
     import torch
 
-__all__ = ["RankPlacement", "cpu_ranges", "elastic_restart_count", "local_placement", "parse_cpu_ranges"]
+__all__ = [
+    "MESH_DIMS",
+    "RankPlacement",
+    "cpu_ranges",
+    "elastic_restart_count",
+    "local_placement",
+    "mesh_coordinates",
+    "parse_cpu_ranges",
+]
+
+#: the mesh dimensions a rank's coordinates are recorded by: data parallel replicated (HSDP's
+#: replicas) and sharded, tensor, pipeline and context parallel (torchtitan's and Accelerate's names)
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+#: other frameworks' names of those dimensions (Lightning's ModelParallelStrategy, spelled out)
+MESH_ALIASES = {
+    "data_parallel": "dp_shard",
+    "dp": "dp_shard",
+    "tensor_parallel": "tp",
+    "pipeline_parallel": "pp",
+    "context_parallel": "cp",
+}
 
 
 @dataclass(frozen=True)
@@ -47,9 +68,53 @@ class RankPlacement:
     #: Linux: the process's start time (clock ticks since boot, ``/proc/PID/stat`` field 22): with
     #: ``pid``, an identity no later process on the host has (a pid may be reused, this pair is not)
     pid_start: int | None = None
+    #: the rank's coordinate along each dimension of its device mesh (``None``: no such dimension, or
+    #: not told): ``pace diagnose`` names a slow pipeline stage, one coordinate slow in every replica,
+    #: and a slow tensor-parallel group by them
+    dp_replicate: int | None = None
+    dp_shard: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    cp: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def mesh_coordinates(mesh: Any = None, pipeline_stage: int | None = None) -> dict[str, int]:
+    """This rank's coordinates by mesh dimension (:data:`MESH_DIMS`), from a ``DeviceMesh`` with named
+    dimensions (other frameworks' names, :data:`MESH_ALIASES`, are read as ours) and the pipeline
+    stage of a loop whose schedule pace_strategy does not see. Raises ``ValueError`` naming what is
+    wrong: a mesh without names, a name that is none of these, a rank outside the mesh, a negative
+    stage, a stage the mesh gives too."""
+    out: dict[str, int] = {}
+    if mesh is not None:
+        names = getattr(mesh, "mesh_dim_names", None)
+        if not names:
+            raise ValueError(
+                "mesh=: the DeviceMesh has no dimension names; build it with mesh_dim_names=(...) from "
+                f"{', '.join(MESH_DIMS)}"
+            )
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            raise ValueError("mesh=: this rank is not in the DeviceMesh given; pass the mesh it trains on")
+        for name, value in zip(names, coordinate, strict=True):
+            dim = MESH_ALIASES.get(name, name)
+            if dim not in MESH_DIMS:
+                accepted = ", ".join((*MESH_DIMS, *MESH_ALIASES))
+                raise ValueError(f"mesh=: dimension {name!r} is none of {accepted}; rename it")
+            out[dim] = int(value)
+    if pipeline_stage is not None:
+        if isinstance(pipeline_stage, bool) or not isinstance(pipeline_stage, int) or pipeline_stage < 0:
+            raise ValueError(
+                f"pipeline_stage={pipeline_stage!r}: expected this rank's stage, an integer >= 0"
+            )
+        if "pp" in out and out["pp"] != pipeline_stage:
+            raise ValueError(
+                f"pipeline_stage={pipeline_stage} but the mesh's pp coordinate is {out['pp']}: give one"
+            )
+        out["pp"] = pipeline_stage
+    return out
 
 
 def _env_int(*names: str) -> int:
@@ -132,8 +197,10 @@ def local_placement(
     node_rank: int | None = None,
     local_rank: int | None = None,
     dataloader_workers: int | None = None,
+    coordinates: Mapping[str, int] | None = None,
 ) -> RankPlacement:
-    """This rank's placement; node and local rank default to the launcher's environment variables.
+    """This rank's placement; node and local rank default to the launcher's environment variables;
+    ``coordinates``: its mesh coordinates (:func:`mesh_coordinates`).
 
     Call it after the process has set its thread count (``torch.set_num_threads``): the intra-op
     threads are read now.
@@ -169,4 +236,5 @@ def local_placement(
         affinity_on_gpu_numa=near,
         pid=os.getpid(),
         pid_start=process_start(os.getpid()),
+        **dict(coordinates or {}),
     )

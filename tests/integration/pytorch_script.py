@@ -60,12 +60,15 @@ def main(out: Path, mode: str) -> None:
     steps = REBALANCE_STEPS if mode == "rebalance" else STEPS
     data = TensorDataset(torch.randn(steps * BATCH * 2, 16), torch.randn(steps * BATCH * 2, 1))
     loader = DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, shuffle=False))
-    if mode == "fsdp":
+    mesh = None
+    if mode == "fsdp":  # sharded over a named mesh, which the record describes
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
         for block in net.blocks:
-            fully_shard(block)
-        model: nn.Module = fully_shard(net)
+            fully_shard(block, mesh=mesh)
+        model: nn.Module = fully_shard(net, mesh=mesh)
     else:
         model = DistributedDataParallel(net)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -77,7 +80,12 @@ def main(out: Path, mode: str) -> None:
     pacing = REBALANCE if mode == "rebalance" else PACING
     if mode == "ddp":  # rank 0 serves Prometheus metrics on the test's free port (the others ignore it)
         pacing = {**pacing, "metrics_port": int(os.environ["METRICS_PORT"])}
-    pace = pace_strategy.attach(model, pacing=pacing, run_dir=out / "record", writer=writer)
+    # the DDP loop says each rank is a pipeline stage of its own (a schedule pace_strategy does not
+    # see): slow rank 1 is then a slow stage
+    stage = rank if mode == "ddp" else None
+    pace = pace_strategy.attach(
+        model, pacing=pacing, run_dir=out / "record", writer=writer, mesh=mesh, pipeline_stage=stage
+    )
     batches = pace.dataloader(loader)
     if mode == "noend":
         train(model, optimizer, batches, pace, rank, clip=False)

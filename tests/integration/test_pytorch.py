@@ -15,7 +15,14 @@ import pytest
 
 from pace_strategy.data.phases import share_phases
 from pace_strategy.telemetry import TAGS, read_run_record
-from tests.integration.helpers import check_dashboard, free_port, parse_metrics, read_scalars, why_failed
+from tests.integration.helpers import (
+    check_dashboard,
+    diagnose_json,
+    free_port,
+    parse_metrics,
+    read_scalars,
+    why_failed,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(200)]
 
@@ -94,6 +101,20 @@ def test_a_torchtitan_style_fsdp2_loop_is_measured(runs):
     # wait at the reduce-scatters
     assert sum(s["straggler_rank"] == 1 for s in measured) >= 0.8 * len(measured)
     assert all(r["steps"] == STEPS for r in results) and results[0]["weights"] == results[1]["weights"]
+    # attach(mesh=...): each rank's coordinate of the named DeviceMesh is in the record
+    assert [p["dp_shard"] for p in record.header["topology"]] == [0, 1]
+    assert all(p["pp"] is None for p in record.header["topology"])
+
+
+def test_a_pipeline_stage_given_to_attach_makes_the_slow_rank_a_slow_stage(runs):
+    """attach(pipeline_stage=...) for a loop whose schedule pace_strategy does not see: the DDP loop
+    calls each rank a stage of its own, and the diagnosis names rank 1's slow backward by its stage."""
+    out, _ = _result(runs, "ddp")
+    record = read_run_record(out / "record")
+    assert [p["pp"] for p in record.header["topology"]] == [0, 1]
+    top = diagnose_json(out / "record")["findings"][0]
+    assert top["mode"] == "stage_imbalance" and top["ranks"] == [1], top
+    assert "pipeline stage 1" in top["evidence"] and top["details"]["stage"] == 1, top
 
 
 def test_a_loop_that_ends_without_finish_keeps_what_was_exchanged(runs):

@@ -1,0 +1,40 @@
+"""A rank's device-mesh coordinates, read from a real DeviceMesh (one gloo process), in its placement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from pace_strategy.telemetry.topology import local_placement, mesh_coordinates
+
+
+@pytest.fixture
+def one_process(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_named_mesh_gives_this_rank_s_coordinates_by_our_names(one_process):
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+    assert mesh_coordinates(mesh) == {"dp_replicate": 0, "dp_shard": 0}
+    # Lightning's ModelParallelStrategy names its dimensions in words: read as ours
+    lightning = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    assert mesh_coordinates(lightning, pipeline_stage=3) == {"dp_shard": 0, "tp": 0, "pp": 3}
+    placement = local_placement(0, torch.device("cpu"), coordinates=mesh_coordinates(lightning)).to_dict()
+    assert (placement["dp_shard"], placement["tp"], placement["pp"], placement["cp"]) == (0, 0, None, None)
+
+
+def test_what_cannot_be_read_fails_naming_it(one_process):
+    with pytest.raises(ValueError, match="no dimension names"):
+        mesh_coordinates(init_device_mesh("cpu", (1,)))
+    with pytest.raises(ValueError, match="dimension 'experts' is none of dp_replicate"):
+        mesh_coordinates(init_device_mesh("cpu", (1,), mesh_dim_names=("experts",)))
+    with pytest.raises(ValueError, match="the mesh's pp coordinate is 0"):
+        mesh_coordinates(init_device_mesh("cpu", (1,), mesh_dim_names=("pp",)), pipeline_stage=1)
+    for stage in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="expected this rank's stage"):
+            mesh_coordinates(pipeline_stage=stage)  # type: ignore[arg-type]
+    assert mesh_coordinates() == {} and mesh_coordinates(pipeline_stage=0) == {"pp": 0}
