@@ -44,6 +44,7 @@ from pace_strategy.integrations.env import (
 from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance
 from pace_strategy.session import PacingSession
 from pace_strategy.telemetry.sinks import MetricsSink
+from pace_strategy.telemetry.topology import mesh_coordinates
 
 __all__ = [
     "CommHookWrapper",
@@ -158,6 +159,7 @@ class StrategyPacing(PacingDriver):
             dashboard=custom_scalars_sink(lambda: tensorboard_loggers(trainer.loggers)),
             node_rank=strategy.node_rank,
             local_rank=strategy.local_rank,
+            coordinates=_mesh_coordinates(strategy),
         )
         self.adopt(session)  # a checkpoint loaded first (DDP restores before setup) is restored now
         # Lightning installs its SIGTERM handler after setup, chaining what it finds; remember that.
@@ -358,6 +360,18 @@ class UserCommHook:
         if self.hook is not None and self.wrapper is not None:
             return self.wrapper(self.hook)
         return self.hook
+
+
+def _mesh_coordinates(strategy: Any) -> dict[str, int] | None:
+    """This rank's coordinates in the strategy's device mesh (``paced_fsdp``: Lightning's
+    ModelParallelStrategy, ``data_parallel`` x ``tensor_parallel``), or ``None`` (DDP has none)."""
+    if not isinstance(getattr(type(strategy), "device_mesh", None), property):
+        return None
+    try:
+        mesh = strategy.device_mesh
+    except RuntimeError:  # Lightning raises while the mesh is not built yet
+        return None
+    return mesh_coordinates(mesh)
 
 
 def _record_dir(trainer: _Trainer, run_dir: Path | None) -> Path | None:

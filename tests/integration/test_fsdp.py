@@ -37,6 +37,8 @@ def test_paced_fsdp_times_every_collective_and_names_the_straggler(tmp_path):
     assert abs(statistics.median(scalars["pace/skew_ms"][s] for s in post) - 40.0) <= 12.0
     record = read_run_record(log_dir)
     assert record.end["status"] == "completed" and record.header["world_size"] == 2
+    # each rank's place in the strategy's data_parallel x tensor_parallel mesh, by our names
+    assert [(p["dp_shard"], p["tp"]) for p in record.header["topology"]] == [(0, 0), (1, 0)]
     # forward all-gathers (one per group), backward re-gathers (all but the root, which FSDP keeps
     # unsharded after forward) and one reduce-scatter per group: all timed, every step
     assert {s["buckets"] for s in record.steps} == {GROUPS + (GROUPS - 1) + GROUPS}
