@@ -45,6 +45,34 @@ def test_every_step_reaches_the_metrics_sink_and_the_run_record(tmp_path):
     assert session.publisher.publish_ns > 0  # the telemetry thread ran
 
 
+def test_a_sink_of_our_own_gets_every_window_off_the_training_thread_and_is_closed(tmp_path):
+    import threading
+
+    class Collect:  # the whole protocol: write, hang, close
+        def __init__(self) -> None:
+            self.steps: list[int] = []
+            self.threads: set[str] = set()
+            self.closed = 0
+
+        def write(self, window) -> None:
+            self.steps += [s.step for s in window.summaries]
+            self.threads.add(threading.current_thread().name)
+            assert window.result.decision is not None and window.tags
+
+        def hang(self, line) -> None:
+            raise AssertionError("no hang in this run")
+
+        def close(self) -> None:
+            self.closed += 1
+
+    sink = Collect()
+    session = _session(tmp_path, log_dir=tmp_path, sinks=[sink])
+    _train(session, 12)
+    session.finish()
+    assert sink.steps == list(range(12)) and sink.threads == {"pace-telemetry"} and sink.closed == 1
+    assert [type(s).__name__ for s in session.publisher.sinks] == ["RecordSink", "Collect"]
+
+
 def test_without_sinks_no_telemetry_thread_runs_but_warnings_are_still_logged(tmp_path, caplog):
     session = _session(tmp_path, config={"run_record": False})
     results = _train(session, 12)
