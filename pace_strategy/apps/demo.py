@@ -67,27 +67,64 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pace demo",
         description="Train a small model on CPU ranks with an injected straggler and report the skew.",
     )
-    p.add_argument("--devices", type=int, default=4, help="CPU processes (ranks) per node; default 4")
-    p.add_argument(
+    _job_arguments(p.add_argument_group("the job"))
+    _fault_arguments(p.add_argument_group("injected faults"))
+    _output_arguments(p.add_argument_group("strategy, pacing and output"))
+    return p
+
+
+def _job_arguments(g: argparse._ArgumentGroup) -> None:
+    """The ranks, the steps and the model's work."""
+    g.add_argument("--devices", type=int, default=4, help="CPU processes (ranks) per node; default 4")
+    g.add_argument(
         "--num-nodes",
         type=int,
         default=1,
         help="nodes (launch one process group per node with NODE_RANK set)",
     )
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps; default 200")
-    p.add_argument(
+    g.add_argument("--steps", type=int, default=200, help="optimizer steps; default 200")
+    g.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default=None,
+        help="start from a preset (slow-device: one rank 2x slower per sample, rebalancing on; "
+        "slow-backward: real compute, one rank slow in its backward)",
+    )
+    g.add_argument(
+        "--sample-ms", type=float, default=0.0, help="emulated accelerator time per sample (sleep)"
+    )
+    g.add_argument(
+        "--compute-ms", type=float, default=20.0, help="emulated accelerator time per step (sleep)"
+    )
+    g.add_argument(
+        "--gc-heap-objects", type=int, default=0, help="long-lived objects per rank (a GC-heavy job)"
+    )
+    g.add_argument(
+        "--gc-garbage-objects",
+        type=int,
+        default=0,
+        help="cyclic garbage objects per step per rank, on average (a GC-heavy job)",
+    )
+    g.add_argument("--batch-size", type=int, default=32)
+    g.add_argument("--hidden", type=int, default=256, help="MLP width")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _fault_arguments(g: argparse._ArgumentGroup) -> None:
+    """Stragglers, slow devices and loaders, a failing rank."""
+    g.add_argument(
         "--straggler",
         default=None,
         help="RANK:MS[:PROB][@FIRST-LAST],... injected delay (@: only in those steps, an episode); '' for "
         "none; default: rank 2 (the last rank of a smaller run) 30 ms",
     )
-    p.add_argument(
+    g.add_argument(
         "--straggler-local",
         default="",
         metavar="LOCAL:MS[:PROB]",
         help="slow this local rank index on every node (locality)",
     )
-    p.add_argument(
+    g.add_argument(
         "--straggler-phase",
         choices=PHASES,
         default="backward",
@@ -95,66 +132,44 @@ def build_parser() -> argparse.ArgumentParser:
         "before the forward), backward (inside backward, after hidden block --inject-after; default), "
         "forward_backward (half in each)",
     )
-    p.add_argument(
+    g.add_argument(
         "--inject-after",
         type=int,
         default=1,
         help="hidden block after which a backward straggler is slowed (1: the end of backward; default 1)",
     )
-    p.add_argument("--spin", action="store_true", help="stragglers do real CPU work instead of sleeping")
-    p.add_argument("--data-delay", default="", metavar="RANK:MS[:PROB]", help="slow data loader on one rank")
-    p.add_argument(
-        "--scenario",
-        choices=sorted(SCENARIOS),
-        default=None,
-        help="start from a preset (slow-device: one rank 2x slower per sample, rebalancing on; "
-        "slow-backward: real compute, one rank slow in its backward)",
-    )
-    p.add_argument(
-        "--sample-ms", type=float, default=0.0, help="emulated accelerator time per sample (sleep)"
-    )
-    p.add_argument(
+    g.add_argument("--spin", action="store_true", help="stragglers do real CPU work instead of sleeping")
+    g.add_argument("--data-delay", default="", metavar="RANK:MS[:PROB]", help="slow data loader on one rank")
+    g.add_argument(
         "--slow-device",
         default="",
         metavar="RANK:FACTOR",
         help="RANK takes FACTOR times --sample-ms per sample (a slow device; rebalancing's case)",
     )
-    p.add_argument(
-        "--compute-ms", type=float, default=20.0, help="emulated accelerator time per step (sleep)"
-    )
-    p.add_argument(
+    g.add_argument("--fail-at", default=None, metavar="RANK:STEP", help="fault injection: RANK exits at STEP")
+
+
+def _output_arguments(g: argparse._ArgumentGroup) -> None:
+    """What runs the job, how it is paced, where it writes."""
+    g.add_argument(
         "--strategy",
         default="paced_ddp",
         help="paced_ddp, paced_ddp_spawn, paced_ddp_fork, paced_fsdp, or the baselines ddp, ddp_fork, "
         "fsdp; default paced_ddp",
     )
-    p.add_argument(
-        "--gc-heap-objects", type=int, default=0, help="long-lived objects per rank (a GC-heavy job)"
-    )
-    p.add_argument(
-        "--gc-garbage-objects",
-        type=int,
-        default=0,
-        help="cyclic garbage objects per step per rank, on average (a GC-heavy job)",
-    )
-    p.add_argument("--root", default="runs/demo", help="directory for TensorBoard logs and the run record")
-    p.add_argument("--name", default="demo", help="experiment name under --root")
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=256, help="MLP width")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
+    g.add_argument("--root", default="runs/demo", help="directory for TensorBoard logs and the run record")
+    g.add_argument("--name", default="demo", help="experiment name under --root")
+    g.add_argument(
         "--pacing",
         action="append",
         default=[],
         metavar="FIELD=VALUE",
         help="PacingConfig override, repeatable (e.g. --pacing mode=forced --pacing exchange_every_steps=8)",
     )
-    p.add_argument("--save-weights", default=None, help="rank 0 saves the final state_dict here")
-    p.add_argument("--fail-at", default=None, metavar="RANK:STEP", help="fault injection: RANK exits at STEP")
-    p.add_argument("--step-times", default=None, help="rank 0 writes its per-step wall times (JSON) here")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
-    p.add_argument("--no-diagnosis", action="store_true", help="skip the diagnosis at the end")
-    return p
+    g.add_argument("--save-weights", default=None, help="rank 0 saves the final state_dict here")
+    g.add_argument("--step-times", default=None, help="rank 0 writes its per-step wall times (JSON) here")
+    g.add_argument("--quiet", action="store_true", help="no progress lines")
+    g.add_argument("--no-diagnosis", action="store_true", help="skip the diagnosis at the end")
 
 
 def demo_recipe(args: argparse.Namespace) -> TrainRecipe:

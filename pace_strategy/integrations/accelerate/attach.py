@@ -175,19 +175,10 @@ def attach_pacing(
         dashboard: rank 0: receives the TensorBoard custom-scalars layout of the tags once (default:
             ``add_custom_scalars`` of the accelerator's TensorBoard trackers).
     """
-    attached = _ATTACHED.get(id(model))
-    if attached is not None:
-        if not attached._automatic:
-            raise PacingConfigError(
-                f"attach_pacing: this {type(model).__name__} is already paced (by the handle the first "
-                "attach_pacing call returned); use that handle, or call its detach() before attaching "
-                "again."
-            )
-        if all(a is None for a in (config, optimizer, dataloaders, run_dir, metrics_sink)):
-            # the attach pace launch made is this call's: the script takes that handle over
-            attached._automatic = False
-            return attached
-        _take_over(attached)
+    if (
+        taken := _attached_before(model, (config, optimizer, dataloaders, run_dir, metrics_sink))
+    ) is not None:
+        return taken
     if config is None:
         config = config_from_env() or PacingConfig()
     elif any(k.startswith(ENV_PREFIX) and k not in NON_CONFIG_ENV for k in os.environ):
@@ -264,6 +255,27 @@ def _handle_sigterm(handle: PacingHandle, session: PacingSession) -> None:
     sigterm = SigtermHandler(terminate)
     if sigterm.install():
         handle.on_detach(sigterm.remove)
+
+
+def _attached_before(model: Any, given: tuple[Any, ...]) -> PacingHandle | None:
+    """The handle ``pace launch`` attached to ``model``, taken over by the script when it gives no
+    argument (``given``: the arguments that would change it); ``None`` otherwise (that attach undone
+    when there was one). A model the script itself attached already fails."""
+    attached = _ATTACHED.get(id(model))
+    if attached is None:
+        return None
+    if not attached._automatic:
+        raise PacingConfigError(
+            f"attach_pacing: this {type(model).__name__} is already paced (by the handle the first "
+            "attach_pacing call returned); use that handle, or call its detach() before attaching "
+            "again."
+        )
+    if all(a is None for a in given):
+        # the attach pace launch made is this call's: the script takes that handle over
+        attached._automatic = False
+        return attached
+    _take_over(attached)
+    return None
 
 
 def _take_over(automatic: PacingHandle) -> None:
