@@ -348,7 +348,7 @@ class PacingSession:
             self.world_size,
             reason,
             self.pacer.steps_seen,
-            f"; run record closed as terminated at {self.record_path}" if self.record_created else "",
+            self._record_note("closed as terminated"),
         )
 
     def close(self, status: str = "completed") -> None:
@@ -377,8 +377,9 @@ class PacingSession:
         """Whether the run record exists on disk (``record_path`` is only where it goes)."""
         return self.record is not None and self.record.created
 
-    def _record_note(self, kept: str = "kept") -> str:
-        return f"; run record {kept} at {self.record_path}" if self.record_created else ""
+    def _record_note(self, how: str = "kept") -> str:
+        """Where the run record is, for a log line (empty without one on disk)."""
+        return f"; run record {how} at {self.record_path}" if self.record_created else ""
 
     def fail(self, error: BaseException) -> None:
         """Training failed on this rank: close the run record without any collective (peers may be gone)."""

@@ -334,7 +334,7 @@ def _report(args: argparse.Namespace, trainer: Any, elapsed_s: float) -> None:
         print(summarize(record).table())
     else:
         print("  (no run record: the baseline strategy does not monitor)")
-    if record_path.exists() and not args.no_diagnosis:
+    if record is not None and not args.no_diagnosis:
         from pace_strategy.diagnose import DiagnosisConfig
         from pace_strategy.diagnose.findings import diagnose_run
         from pace_strategy.diagnose.report import render_report
@@ -345,13 +345,13 @@ def _report(args: argparse.Namespace, trainer: Any, elapsed_s: float) -> None:
         report = render_report(lines, diagnosis, log_dir / "pace_report", DiagnosisConfig(), digest)
         print(f"\n  diagnosis: {diagnosis.summary}")
         print(f"  report            {report['html']}")
-    if record_path.exists() and recipe_rebalances(args):
+    if record is not None and recipe_rebalances(args):
         from pace_strategy.data.phases import describe_phases, share_phases
 
         print("\n  rebalancing (per-rank samples per step, as trained):")
-        print("\n".join(describe_phases(share_phases(record.steps if record else []))))
+        print("\n".join(describe_phases(share_phases(record.steps))))
     print(f"\n  TensorBoard logs  {log_dir}   (tensorboard --logdir {args.root})")
-    if record_path.exists():
+    if record is not None:
         print(f"  run record        {record_path}   (pace diagnose {log_dir})")
 
 

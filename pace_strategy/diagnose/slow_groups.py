@@ -17,9 +17,9 @@ from pace_strategy.core.shares import best_split
 from pace_strategy.diagnose.noise import expected_max_normal
 from pace_strategy.diagnose.result import Finding, Mode, pct
 from pace_strategy.diagnose.run_stats import EPSILON, MIN_RANKS, RunStats
+from pace_strategy.telemetry.topology import MESH_KEYS
 
 __all__ = [
-    "MESH_KEYS",
     "SHARED_KEYS",
     "Episode",
     "episodes",
@@ -29,8 +29,6 @@ __all__ = [
     "straggler_episode",
 ]
 
-#: the mesh dimensions a record's topology may give each rank (absent dimensions omitted)
-MESH_KEYS = ("dp_replicate", "dp_shard", "dp", "tp", "pp", "cp")
 #: topology fields a slow group may share (a host, a node, a GPU model, one physical GPU, a NUMA
 #: node, a CPU quota or affinity, a mesh coordinate); each is compared where the record has it
 SHARED_KEYS = (

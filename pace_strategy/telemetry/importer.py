@@ -43,6 +43,7 @@ import numpy as np
 from pace_strategy.core.records import StepSummary
 from pace_strategy.telemetry.columnar import RankColumnsWriter, rank_columns_filename
 from pace_strategy.telemetry.run_record import RECORD_FILENAME, RunRecordWriter
+from pace_strategy.telemetry.topology import MESH_KEYS
 
 __all__ = [
     "OPS",
@@ -58,7 +59,7 @@ __all__ = [
 #: numeric per-rank, per-step columns (ms unless named otherwise)
 _TIMES = ("compute_ms", "wait_ms", "step_ms", "data_ms")
 #: per-rank placement columns: the same value in every step of a rank
-PLACEMENT = ("host", "dp_replicate", "dp_shard", "dp", "tp", "pp", "cp")
+PLACEMENT = ("host", *MESH_KEYS)
 #: every column a table may have
 TABLE_COLUMNS = ("rank", "step", *_TIMES, "samples", "tokens", *PLACEMENT)
 #: steps a window of the written record holds (the default exchange's)

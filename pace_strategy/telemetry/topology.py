@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # only a rank that is training places itself; readers of the 
 
 __all__ = [
     "MESH_DIMS",
+    "MESH_KEYS",
     "RankPlacement",
     "cpu_ranges",
     "elastic_restart_count",
@@ -27,6 +28,9 @@ __all__ = [
 #: the mesh dimensions a rank's coordinates are recorded by: data parallel replicated (HSDP's
 #: replicas) and sharded, tensor, pipeline and context parallel (torchtitan's and Accelerate's names)
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
+#: every mesh coordinate a record's topology may give a rank: the dimensions above, and ``dp`` (an
+#: imported table's plain data-parallel index); absent dimensions are omitted
+MESH_KEYS = ("dp_replicate", "dp_shard", "dp", "tp", "pp", "cp")
 #: other frameworks' names of those dimensions (Lightning's ModelParallelStrategy, spelled out)
 MESH_ALIASES = {
     "data_parallel": "dp_shard",
