@@ -207,6 +207,9 @@ def _measure(rank: int, out_dir: str) -> None:
 
 
 BACKWARD_DELAY_MS = 20.0
+#: steps of each case of _slow_backward: the medians it compares are of 38 steps past warm-up (of 10,
+#: a loaded machine moved one signal's median 3.5 ms from the other's in one full run)
+SLOW_STEPS = 40
 
 
 def _slow_backward(rank: int, out_dir: str) -> None:
@@ -246,7 +249,7 @@ def _slow_backward(rank: int, out_dir: str) -> None:
         handle = attach_paced_ddp(model, pacer)
         g = torch.Generator().manual_seed(100 + rank)
         windows = []
-        for step in range(STEPS):
+        for step in range(SLOW_STEPS):
             x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
             pacer.begin_step(step)
             if rank == 1 and case == "late_forward":
