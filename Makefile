@@ -8,9 +8,12 @@ setup:
 demo: setup
 	OMP_NUM_THREADS=1 .venv/bin/pace demo
 
-# Lint, type-check and the whole test suite.
+# Lint, type-check and the whole test suite: first every test that does not measure time, two at a
+# time (a module's tests on one worker, so that its shared runs are made once); then the tests that
+# measure time or diagnose a run by its timing (marked `alone`), one at a time with nothing beside them.
 test: setup lint
-	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadscope -m "not alone"
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -m alone
 
 lint:
 	.venv/bin/ruff check .

@@ -50,6 +50,7 @@ def _smoke_run(tmp_path, scenario, steps=40):
     return _run_benchmark(tmp_path, "pacing_ab.py", args)
 
 
+@pytest.mark.alone
 def test_pacing_ab_smoke_run_writes_both_arms(tmp_path):
     """Two ranks of real compute, rank 1's backward 16 ms longer: both arms run, and the paced run's
     record sees the injection."""
@@ -93,6 +94,7 @@ def test_the_control_scenario_runs_plain_ddp_against_itself(tmp_path, monkeypatc
     assert len(progress) == 4 and all(" ddp " in line and "paced_ddp" not in line for line in progress)
 
 
+@pytest.mark.alone
 @pytest.mark.skipif(os.geteuid() != 0, reason="the test bed needs root (network namespaces)")
 def test_pacing_ab_smoke_run_over_the_test_bed_uplink(tmp_path):
     """The paper's scenario: both arms run across the two-rack fabric, and the fabric is torn down."""

@@ -323,6 +323,7 @@ def test_paced_over_several_buckets_matches_ddps_own_bits(monitor, arms):
         assert torch.equal(value, paced["state"][key]), key
 
 
+@pytest.mark.alone
 def test_a_rank_slow_late_in_backward_arrives_late_by_its_delay_under_both_monitors(tmp_path):
     # The delay comes after the first gradient and after the first buckets' hand-offs: a first-gradient
     # arrival would see rank 1 on time and put the 20 ms into rank 0's compute-free wait.
@@ -365,6 +366,7 @@ def test_paced_matches_ddps_own_bits_at_three_ranks_under_both_monitors(tmp_path
             assert torch.equal(value, paced["state"][key]), (arm, key)
 
 
+@pytest.mark.alone
 def test_grad_ready_marks_arrival_before_the_buckets_and_completion_after_the_straggler(tmp_path):
     _spawn(_measure, tmp_path)
     runs = [torch.load(tmp_path / f"measure{r}.pt") for r in range(WORLD)]

@@ -22,7 +22,7 @@ from tests.integration.helpers import (
     why_failed,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.alone, pytest.mark.timeout(240)]
 
 #: the ranks forked from the demo's launcher, which has imported Lightning already (a rank started
 #: as a new process imports it again: about 9 s of each run); the popen start of ``paced_ddp`` is

@@ -18,7 +18,7 @@ import pytest
 from pace_strategy.telemetry import TAGS, lead_tag, read_run_record
 from tests.integration.helpers import check_dashboard, free_port, parse_metrics, read_scalars
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.integration, pytest.mark.alone, pytest.mark.timeout(180)]
 
 SCRIPT = Path(__file__).with_name("fabric_script.py")
 STEPS, WARMUP = 20, 5  # optimizer steps of the plain and paced jobs; PacingConfig().warmup_steps

@@ -19,6 +19,7 @@ WARMUP = 5  # PacingConfig().warmup_steps
 GROUPS = 4
 
 
+@pytest.mark.alone
 def test_paced_fsdp_times_every_collective_and_names_the_straggler(tmp_path):
     out = run_recipe(
         tmp_path,

@@ -35,6 +35,7 @@ COMMON = ("--devices", "2", "--compute-ms", "10", "--quiet")
 WARMUP = 5  # PacingConfig().warmup_steps
 
 
+@pytest.mark.alone
 def test_paced_ddp_telemetry_names_the_injected_straggler(tmp_path):
     """TensorBoard (with its dashboard), the run record, the demo's summary and, while the Trainer
     trains, rank 0's live Prometheus endpoint scraped over HTTP: one run."""

@@ -24,7 +24,7 @@ from tests.integration.helpers import (
     why_failed,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(200)]
+pytestmark = [pytest.mark.integration, pytest.mark.alone, pytest.mark.timeout(200)]
 
 SCRIPT = Path(__file__).resolve().parent / "pytorch_script.py"
 MODES = ("ddp", "fsdp", "noend", "rebalance")

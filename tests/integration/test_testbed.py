@@ -15,7 +15,7 @@ import pytest
 from pace_strategy import testbed
 from tests.integration.helpers import diagnose_json, why_failed
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.alone, pytest.mark.timeout(300)]
 
 
 def _require_root() -> None:

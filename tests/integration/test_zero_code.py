@@ -28,7 +28,7 @@ from tests.integration.helpers import (
     why_failed,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+pytestmark = [pytest.mark.integration, pytest.mark.alone, pytest.mark.timeout(150)]
 
 HERE = Path(__file__).resolve().parent
 PACING = "pacing_config:\n  mode: monitor\n  exchange_every_steps: 4\n  warmup_steps: 2\n"
