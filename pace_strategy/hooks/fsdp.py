@@ -1,4 +1,5 @@
-"""FSDP2 (``fully_shard``): time every all-gather and reduce-scatter and pace the step's first one.
+"""FSDP2 (``fully_shard``): time every all-gather and reduce-scatter (and, under HSDP, the replicate
+dimension's gradient all-reduce) and pace the step's first one.
 
 With FSDP each collective is a sync point: a rank that is late to the forward all-gathers or to the
 gradient reduce-scatters makes the others wait there. torch's FSDP2 (2.13 here) lets a sharded
@@ -91,10 +92,18 @@ class PacedAllGather(_PacedComm, AllGather):
 
 
 class PacedReduceScatter(_PacedComm, ReduceScatter):
-    """An FSDP2 reduce-scatter that times the wrapped one (the gradient sync of a parameter group)."""
+    """An FSDP2 reduce-scatter that times the wrapped one (the gradient sync of a parameter group).
 
-    def __init__(self, pacer: Pacer, inner: Any | None = None) -> None:
+    Under HSDP (``param_group`` sharded over a replicate x shard mesh) FSDP issues the replicate
+    dimension's gradient all-reduce right after this call returns, on the same thread and with no
+    hook before it: its start is marked here, its end where FSDP calls the group's all-reduce hook
+    (:class:`_TimedAllReduce`), right after the all-reduce."""
+
+    def __init__(self, pacer: Pacer, inner: Any | None = None, param_group: Any | None = None) -> None:
         super().__init__(pacer, inner if inner is not None else DefaultReduceScatter())
+        self.param_group = param_group
+        #: the mark of the replicate all-reduce FSDP is about to issue (HSDP), until its hook runs
+        self.all_reduce_start: Any | None = None
 
     def __call__(
         self,
@@ -104,7 +113,38 @@ class PacedReduceScatter(_PacedComm, ReduceScatter):
         op: Any,
         async_op: bool = False,
     ) -> dist.Work | None:
-        return self._timed(async_op, output_tensor, input_tensor, group, op)
+        work = self._timed(async_op, output_tensor, input_tensor, group, op)
+        if _all_reduces_next(self.param_group):
+            self.all_reduce_start = self.pacer.enter_collective()
+        return work
+
+
+def _all_reduces_next(param_group: Any | None) -> bool:
+    """Whether FSDP follows this group's reduce-scatter with the replicate dimension's all-reduce:
+    HSDP, and not a step that only accumulates (``set_requires_all_reduce(False)``)."""
+    return bool(getattr(param_group, "_is_hsdp", False) and getattr(param_group, "all_reduce_grads", True))
+
+
+class _TimedAllReduce:
+    """An HSDP parameter group's all-reduce hook (FSDP calls it right after the replicate dimension's
+    all-reduce, with the reduced gradient shard): ends the all-reduce's interval that the group's
+    :class:`PacedReduceScatter` began, then calls the hook the group had (the user's own, or none).
+
+    On a host clock the all-reduce call blocked until it completed, so the interval is the time the
+    rank was held by it, a sync point like the reduce-scatter before it: a replica late to it makes
+    the other replicas wait there. On a device clock the interval is not timed (FSDP runs the
+    all-reduce on its own stream); the compute stream's wait for it is, in ``post_backward`` and
+    ``finalize_backward`` (:data:`WAIT_METHODS`), which wait for the all-reduce's event under HSDP."""
+
+    def __init__(self, comm: PacedReduceScatter, previous: Any | None) -> None:
+        self.comm = comm
+        self.previous = previous
+
+    def __call__(self, output: torch.Tensor) -> None:
+        start, self.comm.all_reduce_start = self.comm.all_reduce_start, None
+        self.comm.pacer.exit_collective(start)
+        if self.previous is not None:
+            self.previous(output)
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:
@@ -135,15 +175,17 @@ def register_paced_collectives(model: nn.Module, pacer: Pacer) -> int:
         group = _param_group(module)
         if group is None:  # a root that holds no parameters of its own: no collectives to time
             continue
-        _refuse_replicate_dimension(module, group)
         all_gather = getattr(group, "_all_gather_comm", None)
         reduce_scatter = getattr(group, "_reduce_scatter_comm", None)
         if isinstance(all_gather, PacedAllGather):
             all_gather = all_gather.inner
         if isinstance(reduce_scatter, PacedReduceScatter):
             reduce_scatter = reduce_scatter.inner
+        paced_reduce_scatter = PacedReduceScatter(pacer, reduce_scatter, group)
         module.set_custom_all_gather(PacedAllGather(pacer, all_gather))  # type: ignore[operator]
-        module.set_custom_reduce_scatter(PacedReduceScatter(pacer, reduce_scatter))  # type: ignore[operator]
+        module.set_custom_reduce_scatter(paced_reduce_scatter)  # type: ignore[operator]
+        if getattr(group, "_is_hsdp", False):  # the replicate dimension's all-reduce: timed too
+            group._all_reduce_hook = _TimedAllReduce(paced_reduce_scatter, _user_all_reduce_hook(group))
         _unbracket_waits(group)  # a bracket from an earlier registration times for its own pacer
         if not pacer.clock_is_host_time:
             _bracket_waits(group, pacer)
@@ -190,20 +232,10 @@ def _unbracket_waits(group: Any) -> None:
             delattr(group, name)  # back to the class's method
 
 
-def _refuse_replicate_dimension(module: nn.Module, group: Any) -> None:
-    """HSDP (a 2-D mesh: replicate x shard) adds an all-reduce of the gradients over the replicate
-    dimension, issued by FSDP itself on its own stream (``foreach_reduce`` -> ``dist.all_reduce``),
-    not through the custom collectives: it would be neither timed nor paced, so the lead and the
-    delays would be wrong. Refused until that all-reduce can be timed right."""
-    mesh_info = getattr(group, "mesh_info", None)  # FSDP2's per-group mesh description (private)
-    if getattr(mesh_info, "replicate_mesh_dim", None) is not None:
-        raise PacingConfigError(
-            f"{type(module).__name__} is sharded over a 2-D device mesh (HSDP: replicate x shard). Paced "
-            "FSDP times and paces the shard dimension's all-gathers and reduce-scatters only; the "
-            "replicate dimension's gradient all-reduce is issued by FSDP itself and would be neither "
-            "timed nor paced. Shard over a 1-D mesh (fully_shard(module, mesh=mesh['data_parallel']), "
-            "what paced_fsdp does by default), or train HSDP without pacing (strategy='fsdp')."
-        )
+def _user_all_reduce_hook(group: Any) -> Any | None:
+    """The all-reduce hook the group had before pace_strategy's (FSDP's ``set_all_reduce_hook``)."""
+    hook = getattr(group, "_all_reduce_hook", None)
+    return hook.previous if isinstance(hook, _TimedAllReduce) else hook
 
 
 def unregister_paced_collectives(model: nn.Module) -> int:
@@ -216,6 +248,8 @@ def unregister_paced_collectives(model: nn.Module) -> int:
         if group is None:
             continue
         _unbracket_waits(group)
+        if isinstance(getattr(group, "_all_reduce_hook", None), _TimedAllReduce):
+            group._all_reduce_hook = _user_all_reduce_hook(group)
         all_gather = getattr(group, "_all_gather_comm", None)
         reduce_scatter = getattr(group, "_reduce_scatter_comm", None)
         if isinstance(all_gather, PacedAllGather):

@@ -21,6 +21,7 @@ from pace_strategy.telemetry.run_record import (
     rank_columns_of,
     read_run_record,
 )
+from pace_strategy.telemetry.topology import MESH_KEYS
 
 __all__ = [
     "BLOCK_FIELDS",
@@ -151,8 +152,12 @@ class RunLines:
         return [topo.get(r, {}).get(key) for r in range(self.world_size)]
 
     def describe_rank(self, rank: int) -> str:
+        """``rank R (host H, local rank L, dp_replicate 0, dp_shard 1, ...)``: where the rank runs and,
+        where the record has them, its coordinates in the training's device mesh (which replica,
+        which shard, which tensor-parallel group or pipeline stage it belongs to)."""
         host, local = self.topology("host")[rank], self.topology("local_rank")[rank]
         parts = [f"host {host}" if host else None, f"local rank {local}" if local is not None else None]
+        parts += [f"{key} {c}" for key in MESH_KEYS if (c := self.topology(key)[rank]) is not None]
         inner = ", ".join(p for p in parts if p)
         return f"rank {rank} ({inner})" if inner else f"rank {rank}"
 

@@ -113,20 +113,50 @@ def test_unregister_restores_the_fsdp2_collectives_it_wrapped():
         dist.destroy_process_group()
 
 
-def test_hsdp_on_a_two_dimensional_mesh_is_refused_naming_what_is_supported():
+def test_hsdp_times_the_replicate_all_reduce_through_the_group_s_hook_and_keeps_the_user_s():
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from pace_strategy.hooks.fsdp import PacedAllGather, _param_group, register_paced_collectives
+    from pace_strategy.hooks.fsdp import (
+        PacedReduceScatter,
+        _param_group,
+        register_paced_collectives,
+        unregister_paced_collectives,
+    )
+
+    class Pacer:  # the two calls the all-reduce's timing makes, recorded
+        clock_is_host_time = True
+
+        def __init__(self):
+            self.calls = []
+
+        def enter_collective(self):
+            self.calls.append("enter")
+            return len(self.calls)
+
+        def exit_collective(self, start):
+            self.calls.append(("exit", start))
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
         fully_shard(model, mesh=mesh)  # a 2-D mesh: HSDP
-        with pytest.raises(PacingConfigError, match=r"2-D device mesh \(HSDP.*1-D mesh"):
-            register_paced_collectives(model, SimpleNamespace(clock_is_host_time=True))
-        assert not isinstance(_param_group(model)._all_gather_comm, PacedAllGather)  # nothing changed
+        seen = []
+        model.set_all_reduce_hook(seen.append)  # the user's own hook
+        group = _param_group(model)
+        pacer = Pacer()
+        assert register_paced_collectives(model, pacer) == 1
+        assert isinstance(group._reduce_scatter_comm, PacedReduceScatter) and group._is_hsdp
+        # one rank: FSDP copies instead of reduce-scattering and then calls the all-reduce hook, which
+        # ends no interval (the intervals at four ranks: tests/integration/test_hsdp.py)
+        model(torch.randn(3, 4)).sum().backward()
+        assert pacer.calls == [("exit", None)], pacer.calls
+        assert len(seen) == 1  # the user's hook still runs, after ours
+        register_paced_collectives(model, pacer)  # again: composes over the user's, not over ours
+        assert group._all_reduce_hook.previous == seen.append
+        unregister_paced_collectives(model)
+        assert group._all_reduce_hook == seen.append
     finally:
         dist.destroy_process_group()
