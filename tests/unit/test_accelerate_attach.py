@@ -150,7 +150,7 @@ def test_hsdp_times_the_replicate_all_reduce_through_the_group_s_hook_and_keeps_
         assert register_paced_collectives(model, pacer) == 1
         assert isinstance(group._reduce_scatter_comm, PacedReduceScatter) and group._is_hsdp
         # one rank: FSDP copies instead of reduce-scattering and then calls the all-reduce hook, which
-        # ends no interval (the intervals at four ranks: tests/integration/test_hsdp.py)
+        # ends no interval (the intervals at four ranks: tests/integration/test_meshes.py)
         model(torch.randn(3, 4)).sum().backward()
         assert pacer.calls == [("exit", None)], pacer.calls
         assert len(seen) == 1  # the user's hook still runs, after ours
