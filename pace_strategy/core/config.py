@@ -15,6 +15,7 @@ from pace_strategy.core.errors import PacingConfigError
 __all__ = [
     "GROUPS",
     "SWITCHED_GROUPS",
+    "BalanceConfig",
     "DDPMonitor",
     "GcSyncConfig",
     "HangAction",
@@ -240,10 +241,83 @@ class GcSyncConfig(_Group):
         _number(self, "due_fraction", low=0.0, low_open=True)
 
 
+BalanceCost = Literal["tokens", "attention"]
+_BALANCE_COSTS: tuple[str, ...] = get_args(BalanceCost)
+BalanceLayout = Literal["padded", "packed"]
+_BALANCE_LAYOUTS: tuple[str, ...] = get_args(BalanceLayout)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BalanceConfig(_Group):
+    """Cost-balanced batches for uneven inputs (docs/balancing.md)."""
+
+    GROUP: ClassVar[str] = "balance"
+
+    enabled: bool = field(
+        default=False,
+        metadata=doc(
+            """Cost-balanced batches: every global batch is split over the ranks by the predicted cost
+            of its samples (from their lengths) instead of rank r taking slice r, so that the rank
+            that drew the longest sequences does not set every step. The same global batches, the
+            same samples each epoch; ranks may train different numbers of samples, and each rank's
+            loss is scaled so that the update is the global batch's mean (as rebalancing's shares
+            are). Needs the training data as a DataLoader over a map-style dataset whose samples have
+            lengths (docs/balancing.md)."""
+        ),
+    )
+    cost: BalanceCost = field(
+        default="attention",
+        metadata=doc(
+            """The predicted cost of a sample of L tokens: ``"tokens"``: L; ``"attention"``: L +
+            L**2 / ``quadratic_tokens`` (attention grows with the square of the length)."""
+        ),
+    )
+    layout: BalanceLayout = field(
+        default="padded",
+        metadata=doc(
+            """How a rank's samples make its batch. ``"padded"``: padded to its longest sample (a
+            rank's cost is its count times the cost of its longest sample; only unequal counts can
+            shorten the step). ``"packed"``: concatenated or block-diagonal (its cost is the sum of its
+            samples' costs)."""
+        ),
+    )
+    quadratic_tokens: float = field(
+        default=1024.0,
+        metadata=doc(
+            """For ``cost="attention"``: the length, in tokens, at which a sample's attention work
+            equals its linear layers' work (roughly a few times the model width)."""
+        ),
+    )
+    max_tokens: int | None = field(
+        default=None,
+        metadata=doc(
+            """The most tokens a rank may take in one batch (padded: count x longest; packed: the sum
+            of lengths), e.g. what its memory holds; ``None``: no limit. A global batch that cannot
+            be split within it fails naming this field."""
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            _fail(self._name("enabled"), self.enabled, "true or false")
+        if self.cost not in _BALANCE_COSTS:
+            _fail(self._name("cost"), self.cost, f"one of {', '.join(repr(c) for c in _BALANCE_COSTS)}")
+        if self.layout not in _BALANCE_LAYOUTS:
+            _fail(self._name("layout"), self.layout, f"one of {', '.join(repr(c) for c in _BALANCE_LAYOUTS)}")
+        _number(self, "quadratic_tokens", low=0.0, low_open=True)
+        if self.max_tokens is not None:
+            _positive_int(self, "max_tokens", allowed="an integer >= 1 or null")
+
+
 #: the nested groups of :class:`PacingConfig`, by field name
-GROUPS: dict[str, type[Any]] = {"hang": HangConfig, "rebalance": RebalanceConfig, "gc_sync": GcSyncConfig}
+GROUPS: dict[str, type[Any]] = {
+    "hang": HangConfig,
+    "rebalance": RebalanceConfig,
+    "balance": BalanceConfig,
+    "gc_sync": GcSyncConfig,
+}
 #: groups whose ``enabled`` switch a bare boolean stands for (``rebalance=True``)
-SWITCHED_GROUPS = ("rebalance", "gc_sync")
+SWITCHED_GROUPS = ("rebalance", "balance", "gc_sync")
 
 
 def recorded_switch(config: Mapping[str, Any] | None, group: str) -> bool:
@@ -493,6 +567,13 @@ class PacingConfig:
             ``rebalance=True`` is short for ``rebalance=RebalanceConfig(enabled=True)``."""
         ),
     )
+    balance: BalanceConfig = field(
+        default_factory=lambda: BalanceConfig(),
+        metadata=doc(
+            """Cost-balanced batches (``balance.enabled``, ``balance.cost``, ...): see
+            :class:`BalanceConfig`. ``balance=True`` is short for ``balance=BalanceConfig(enabled=True)``."""
+        ),
+    )
     gc_sync: GcSyncConfig = field(
         default_factory=lambda: GcSyncConfig(),
         metadata=doc(
@@ -596,6 +677,12 @@ class PacingConfig:
     def field_docs(cls) -> dict[str, str]:
         """Map of field name to its documentation (meaning, unit)."""
         return {f.name: f.metadata.get("doc", "") for f in fields(cls)}
+
+    @property
+    def splits_batches(self) -> bool:
+        """Whether the adapters rebuild the training loader around the share sampler: rebalancing
+        (``rebalance.enabled``) or cost-balanced batches (``balance.enabled``)."""
+        return bool(self.rebalance.enabled or self.balance.enabled)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> PacingConfig:

@@ -132,6 +132,10 @@ class ShareBatchSampler(Sampler[list[int]]):
             batch is built, it maps the epoch's batches to global steps (the steps of the schedule).
             ``None``: the sampler counts the batches it has built (right when every built batch is
             trained; a loop that stops an epoch early must pass one).
+        balancer: splits each step's samples (its dataset indices, and the step's shares as the
+            ranks' weights) into each rank's batch by their cost instead of cutting the slice by the
+            shares (cost-balanced batches, :class:`~pace_strategy.data.balance.Balancer`); the ranks'
+            sample counts then follow from it. The same function of the same indices on every rank.
     """
 
     def __init__(
@@ -145,6 +149,7 @@ class ShareBatchSampler(Sampler[list[int]]):
         drop_last: bool = False,
         micro_batches: int = 1,
         step_source: Callable[[], int] | None = None,
+        balancer: Callable[[Sequence[int], tuple[int, ...]], list[list[int]]] | None = None,
     ) -> None:
         check_indexable(dataset)
         if not 0 <= rank < schedule.world_size:
@@ -164,6 +169,7 @@ class ShareBatchSampler(Sampler[list[int]]):
         self.drop_last = drop_last
         self.micro_batches = micro_batches
         self.step_source = step_source
+        self.balancer = balancer
         self.epoch = 0
         self._lock = threading.Lock()
         self._built: collections.deque[BuiltBatch] = collections.deque()
@@ -244,7 +250,11 @@ class ShareBatchSampler(Sampler[list[int]]):
             # Noted before the shares are read: an entry added from now on starts after this step.
             self.schedule.note_built(step)
             shares = self.schedule.shares_for_step(step)
-            if i == count - 1 and self.length % self.schedule.global_batch:
+            if self.balancer is not None:
+                parts = self.balancer([x for b in self._split(order, i, shares) for x in b], shares)
+                shares = tuple(len(b) for b in parts)
+                batch = parts[self.rank]
+            elif i == count - 1 and self.length % self.schedule.global_batch:
                 indices = self._split(order, i, shares)
                 shares = tuple(len(b) for b in indices)
                 batch = indices[self.rank]

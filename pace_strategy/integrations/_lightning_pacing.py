@@ -246,7 +246,7 @@ class StrategyPacing(PacingDriver):
         session = self.start()
         if session is not None:
             attach_paced_ddp(model, session.pacer, inner_hook, user_hook.state)
-            if self.config.rebalance.enabled:
+            if self.config.splits_batches:
                 self.rebalance = self._data_rebalance(session)
                 session.register_state(STATE_NAME, self.rebalance)
         elif inner_hook is not None:
@@ -259,10 +259,10 @@ class StrategyPacing(PacingDriver):
 
         model = self._strategy.model
         assert model is not None, "ModelParallelStrategy.setup keeps the (sharded) model"
-        if self.config.rebalance.enabled:
+        if self.config.splits_batches:
             raise PacingConfigError(
-                "rebalance=True is supported with paced_ddp (and paced_ddp_spawn), not paced_fsdp yet; "
-                "use paced_ddp or set rebalance=False."
+                "rebalance=True and balance=True are supported with paced_ddp (and paced_ddp_spawn), not "
+                "paced_fsdp yet; use paced_ddp or set them off."
             )
         session = self.start()
         if session is not None:
@@ -279,6 +279,7 @@ class StrategyPacing(PacingDriver):
             step_source=lambda: trainer.global_step,
             framework_prefetch=1,  # the fit loop's data fetcher holds one batch ahead
             micro_batches=int(getattr(trainer, "accumulate_grad_batches", 1)),
+            balance=self.config.balance,
         )
 
     def prepare_dataloader(self, dataloader: object) -> object:

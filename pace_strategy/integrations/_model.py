@@ -80,7 +80,8 @@ def data_rebalance(
     adapter), checkpointed with the session, back to factor 1.0 at detach. FSDP is refused."""
     if fsdp:
         raise PacingConfigError(
-            "rebalance=True is supported with DDP, not FSDP yet; set rebalance=False for this model."
+            "rebalance=True and balance=True are supported with DDP, not FSDP yet; set them off for this "
+            "model."
         )
     rebalance = DataRebalance(
         session.pacer,
@@ -89,6 +90,7 @@ def data_rebalance(
         step_source=step_source,
         framework_prefetch=prefetch,
         micro_batches=micro_batches,
+        balance=session.config.balance,
     )
     session.register_state(STATE_NAME, rebalance)
     driver.on_detach(rebalance.stop)

@@ -140,7 +140,7 @@ class FabricPacing(PacingDriver):
         """With ``rebalance=True`` on two or more processes: ``dataloader`` rebuilt around the
         rebalancing batch sampler (every loader set up is taken for a training loader: set up
         evaluation loaders with ``use_distributed_sampler=False`` or through another strategy)."""
-        if not self.config.rebalance.enabled or strategy.world_size < 2:
+        if not self.config.splits_batches or strategy.world_size < 2:
             return dataloader
         if self.rebalance is None:
             self.rebalance = DataRebalance(
@@ -149,6 +149,7 @@ class FabricPacing(PacingDriver):
                 strategy.world_size,
                 step_source=lambda: self.session.pacer.steps_seen if self.session is not None else 0,
                 framework_prefetch=0,  # Fabric's loader wrapper fetches nothing ahead
+                balance=self.config.balance,
             )
             if self.session is not None:
                 self.session.register_state(STATE_NAME, self.rebalance)

@@ -96,17 +96,21 @@ class Pace(PacingDriver):
         super().__init__(config, session)
         self.model = model
 
-    def dataloader(self, loader: Any) -> Any:
+    def dataloader(self, loader: Any, lengths: Any = None) -> Any:
         """Iterate this instead of ``loader``: its input wait is measured, and with ``rebalance=True``
-        it is ``loader`` rebuilt around the rebalancing batch sampler (same dataset, batch size,
-        shuffle, drop_last and workers; each rank's share of the global batch follows the decisions;
-        the gradient is scaled by the share in the DDP comm hook, so the loop and its loss stay as they
-        are). Call it once, after :func:`attach`, before the first step."""
+        or ``balance=True`` it is ``loader`` rebuilt around the rebalancing batch sampler (same
+        dataset, batch size, shuffle, drop_last and workers; each rank's share of the global batch
+        follows the decisions, or each step's samples are split by their cost; the gradient is scaled
+        by the rank's count in the DDP comm hook, so the loop and its loss stay as they are). Call it
+        once, after :func:`attach`, before the first step. ``lengths``: every sample's length in
+        tokens, for ``balance`` (else read from the dataset: docs/balancing.md)."""
         if self.session is None:
             return loader
         if self.rebalance is not None:
             if self.rebalance.sampler is not None:
                 raise PacingConfigError("pace.dataloader(...) rebalances one training loader; call it once.")
+            if lengths is not None:
+                self.rebalance.lengths = lengths
             loader = self.rebalance.replace(loader)
         self.session.note_dataloader_workers(loader_workers(loader))
         hook = time_dataloader(loader, lambda: self.live_session)
@@ -181,7 +185,7 @@ def attach(
     )
     pace = Pace(model, config, session)
     try:
-        if config.rebalance.enabled:  # a plain loop trains the batch it just took: no prefetch
+        if config.splits_batches:  # a plain loop trains the batch it just took: no prefetch
             data_rebalance(pace, session, fsdp, lambda: pace.steps, prefetch=0)
         pace_model(pace, model, session, fsdp)  # the share factor goes on the gradient, in the comm hook
     except BaseException:

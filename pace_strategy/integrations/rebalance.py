@@ -22,10 +22,12 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 
+from pace_strategy.core.config import BalanceConfig
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.pacer import Pacer
 from pace_strategy.core.shares import ShareSchedule
 from pace_strategy.core.state import PacingStateError
+from pace_strategy.data.balance import Balancer, SampleCost, sample_lengths
 from pace_strategy.data.share_sampler import ShareBatchSampler, check_indexable
 
 __all__ = ["STATE_NAME", "DataRebalance", "loader_lookahead_steps", "share_scaled_allreduce"]
@@ -125,6 +127,11 @@ class DataRebalance:
         framework_prefetch: batches the framework fetches ahead of the one it trains.
         micro_batches: batches per optimizer step (gradient accumulation); a step with more batches
             is refused (their shares would not be the step's).
+        balance: cost-balanced batches (``balance.enabled``): each step's samples split by their
+            cost (:class:`~pace_strategy.data.balance.Balancer`) within the shares; ``None``: the
+            shares cut each step's slice.
+        lengths: the samples' lengths in tokens, for ``balance`` (else read from the dataset:
+            :func:`~pace_strategy.data.balance.sample_lengths`).
     """
 
     def __init__(
@@ -135,8 +142,12 @@ class DataRebalance:
         step_source: Callable[[], int],
         framework_prefetch: int,
         micro_batches: int = 1,
+        balance: BalanceConfig | None = None,
+        lengths: Any = None,
     ) -> None:
         self.pacer = pacer
+        self.balance = balance if balance is not None and balance.enabled else None
+        self.lengths = lengths
         self.rank = rank
         self.world_size = world_size
         self.step_source = step_source
@@ -238,7 +249,19 @@ class DataRebalance:
             drop_last=split.drop_last,
             micro_batches=self.micro_batches,
             step_source=self.step_source,
+            balancer=self._balancer(loader),
         )
+
+    def _balancer(self, loader: DataLoader[Any]) -> Balancer | None:
+        """The cost-balanced split of ``loader``'s samples (``balance.enabled``), from their lengths."""
+        b = self.balance
+        if b is None:
+            return None
+        try:
+            lengths = sample_lengths(loader.dataset, self.lengths)
+        except ValueError as error:
+            raise PacingConfigError(f"balance.enabled: {error}") from error
+        return Balancer(lengths, SampleCost(b.cost, b.quadratic_tokens), b.layout, b.max_tokens)
 
     def _adopt(self, loader: DataLoader[Any], sampler: ShareBatchSampler) -> None:
         if self.sampler is not None and self.sampler is not sampler and self.sampler.epoch:

@@ -209,7 +209,7 @@ def attach_pacing(
     _ATTACHED[id(model)] = handle
     try:
         loop = rebalance_loop or RebalanceLoop()
-        if config.rebalance.enabled:
+        if config.splits_batches:
             micro_batches = loop.micro_batches or int(getattr(accelerator, "gradient_accumulation_steps", 1))
             _rebalance_data(handle, session, loaders, fsdp, micro_batches, loop.prefetch)
         pace_model(handle, model, session, fsdp, scale_gradient=not loop.loss_over_global_batch)

@@ -1,0 +1,280 @@
+"""Cost-balanced batches: which samples of a global batch each rank trains, so that the ranks' predicted
+compute is equal instead of each rank taking the next slice (docs/balancing.md).
+
+With uneven inputs (sequence lengths) every step waits for the rank that drew the most work. Every
+rank computes the same assignment from the same sample lengths, with no collective: the functions
+here are pure (numpy only, deterministic, ties broken by position), so the ranks agree by
+construction.
+
+Two batch layouts, two cost models of a rank's step:
+
+- **padded**: a rank's batch is padded to its longest sample, so its cost is its count times the
+  cost of that longest sample. At equal counts the rank holding the longest sample sets the step
+  whatever the assignment; only unequal counts shorten it: few long samples on one rank, many short
+  ones on another. :func:`assign_padded` cuts the samples, sorted by length, into one contiguous run
+  per rank, the longest run to the rank of the largest weight, minimising the largest cost over
+  weight (bisection on that bound; each rank's run is as long as the bound allows).
+- **packed**: a rank's samples are concatenated (or its attention is block-diagonal), so its cost is
+  the sum of its samples' costs. :func:`assign_packed` places the samples, longest first, each on the
+  rank whose cost over weight grows least (LPT), at any counts.
+
+The cost of one sample of ``L`` tokens (:class:`SampleCost`): ``tokens`` is ``L``; ``attention`` is
+``L + L**2 / quadratic_tokens`` (the linear layers' work grows with ``L``, attention's with ``L**2``;
+``quadratic_tokens`` is the length at which both are equal, about the model width times a small
+factor for a transformer block). A per-rank token budget (``max_tokens``) bounds what a rank may
+take: ``count x longest`` for padded batches, the sum of lengths for packed ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pace_strategy.core.errors import PacingConfigError
+
+__all__ = [
+    "COSTS",
+    "LAYOUTS",
+    "Balancer",
+    "SampleCost",
+    "assign",
+    "assign_packed",
+    "assign_padded",
+    "sample_lengths",
+    "step_costs",
+]
+
+#: the cost models of one sample (:class:`SampleCost`)
+COSTS = ("tokens", "attention")
+#: how a rank's samples make its batch: padded to its longest, or packed one after another
+LAYOUTS = ("padded", "packed")
+
+
+@dataclass(frozen=True)
+class SampleCost:
+    """The predicted cost of a sample of ``L`` tokens, in token-equivalents: ``L`` (``tokens``) or
+    ``L + L**2 / quadratic_tokens`` (``attention``)."""
+
+    model: str = "attention"
+    quadratic_tokens: float = 1024.0
+
+    def __post_init__(self) -> None:
+        if self.model not in COSTS:
+            raise ValueError(f"cost model must be one of {COSTS}, got {self.model!r}")
+        if not self.quadratic_tokens > 0:
+            raise ValueError(f"quadratic_tokens must be > 0, got {self.quadratic_tokens!r}")
+
+    def __call__(self, lengths: np.ndarray) -> np.ndarray:
+        lengths = np.asarray(lengths, dtype=np.float64)
+        if self.model == "tokens":
+            return lengths
+        return lengths + lengths * lengths / self.quadratic_tokens
+
+
+def _weights(world: int, weights: Sequence[float] | None) -> np.ndarray:
+    w = np.full(world, 1.0 / world) if weights is None else np.asarray(weights, dtype=np.float64)
+    if w.shape != (world,) or not np.all(w > 0):
+        raise ValueError(f"weights must be {world} positive numbers, got {weights!r}")
+    return w / w.sum()
+
+
+def _order_by_length(lengths: np.ndarray) -> np.ndarray:
+    """Positions by length, longest first; equal lengths by position (the same on every rank)."""
+    return np.lexsort((np.arange(len(lengths)), -lengths))
+
+
+def _check(lengths: Sequence[int], world: int) -> np.ndarray:
+    arr = np.asarray(lengths, dtype=np.int64)
+    if arr.ndim != 1 or len(arr) < world:
+        raise ValueError(f"need at least one sample per rank: {len(arr)} samples for {world} ranks")
+    if np.any(arr < 1):
+        raise ValueError("every sample needs a length of at least one token")
+    return arr
+
+
+def assign_padded(
+    lengths: Sequence[int],
+    world: int,
+    cost: SampleCost,
+    weights: Sequence[float] | None = None,
+    max_tokens: int | None = None,
+) -> list[list[int]]:
+    """Each rank's positions in ``lengths`` (ascending) for padded batches: a rank's cost is its count
+    times the cost of its longest sample; the largest cost over weight is minimised over contiguous
+    runs of the samples sorted by length, every rank at least one sample, ``count x longest`` at most
+    ``max_tokens``. ``weights``: each rank's share of the work (its speed; even when ``None``)."""
+    arr = _check(lengths, world)
+    w = _weights(world, weights)
+    order = _order_by_length(arr)
+    per_sample = cost(arr[order])  # non-increasing along ``order``
+    ranks = np.lexsort((np.arange(world), -w))  # the heaviest rank takes the longest run
+
+    def runs(bound: float) -> list[int] | None:
+        """Each rank's run length in ``ranks`` order within ``bound``, or None where it cannot be."""
+        at, counts = 0, []
+        for j, r in enumerate(ranks):
+            left = world - j - 1  # ranks after this one, one sample each at least
+            if at >= len(arr) - left:
+                return None
+            take = int(bound * w[r] / per_sample[at] * (1 + 1e-12))
+            if max_tokens is not None:
+                take = min(take, max_tokens // int(arr[order[at]]))
+            take = min(take, len(arr) - left - at)
+            if take < 1:
+                return None
+            counts.append(take)
+            at += take
+        return counts if at == len(arr) else None
+
+    low = 0.0
+    high = float(per_sample[0] * len(arr) / w.min())
+    if runs(high) is None:
+        raise ValueError(
+            f"no split of {len(arr)} samples over {world} ranks keeps count x longest within max_tokens="
+            f"{max_tokens}: raise the budget or lower the batch size"
+        )
+    for _ in range(64):
+        mid = 0.5 * (low + high)
+        if runs(mid) is None:
+            low = mid
+        else:
+            high = mid
+        if high - low <= 1e-9 * high:
+            break
+    counts = runs(high)
+    assert counts is not None
+    out: list[list[int]] = [[] for _ in range(world)]
+    at = 0
+    for r, take in zip(ranks, counts, strict=True):
+        out[int(r)] = sorted(int(p) for p in order[at : at + take])
+        at += take
+    return out
+
+
+def assign_packed(
+    lengths: Sequence[int],
+    world: int,
+    cost: SampleCost,
+    weights: Sequence[float] | None = None,
+    max_tokens: int | None = None,
+) -> list[list[int]]:
+    """Each rank's positions in ``lengths`` (ascending) for packed batches: a rank's cost is the sum of
+    its samples' costs; longest first, each sample to the rank whose cost over weight grows least
+    (ties to the lowest rank) among those with room for it under ``max_tokens``; every rank at least
+    one sample."""
+    arr = _check(lengths, world)
+    w = _weights(world, weights)
+    order = _order_by_length(arr)
+    per_sample = cost(arr[order])
+    load = np.zeros(world)
+    tokens = np.zeros(world, dtype=np.int64)
+    out: list[list[int]] = [[] for _ in range(world)]
+    for p, c in zip(order, per_sample, strict=True):
+        after = (load + c) / w
+        if max_tokens is not None:
+            after[tokens + arr[p] > max_tokens] = np.inf
+        r = int(np.argmin(after))
+        if not np.isfinite(after[r]):
+            raise ValueError(
+                f"no rank has room for a sample of {int(arr[p])} tokens within max_tokens={max_tokens}: "
+                "raise the budget or lower the batch size"
+            )
+        out[r].append(int(p))
+        load[r] += c
+        tokens[r] += arr[p]
+    for r in range(world):  # a rank left empty takes the shortest sample of the rank with the most
+        if not out[r]:
+            donor = max(range(world), key=lambda k: (len(out[k]), -k))
+            out[r].append(out[donor].pop())  # appended longest first: the last is the shortest
+    return [sorted(ps) for ps in out]
+
+
+def assign(
+    lengths: Sequence[int],
+    world: int,
+    cost: SampleCost,
+    layout: str,
+    weights: Sequence[float] | None = None,
+    max_tokens: int | None = None,
+) -> list[list[int]]:
+    """:func:`assign_padded` or :func:`assign_packed`, by ``layout`` (:data:`LAYOUTS`)."""
+    if layout == "padded":
+        return assign_padded(lengths, world, cost, weights, max_tokens)
+    if layout == "packed":
+        return assign_packed(lengths, world, cost, weights, max_tokens)
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def step_costs(
+    lengths: Sequence[int], parts: Sequence[Sequence[int]], cost: SampleCost, layout: str
+) -> np.ndarray:
+    """Each rank's predicted cost of the step (token-equivalents) under an assignment ``parts``."""
+    arr = np.asarray(lengths, dtype=np.int64)
+    out = np.zeros(len(parts))
+    for r, ps in enumerate(parts):
+        if len(ps):
+            mine = arr[np.asarray(ps, dtype=np.int64)]
+            out[r] = len(ps) * float(cost(mine.max())) if layout == "padded" else float(cost(mine).sum())
+    return out
+
+
+def sample_lengths(dataset: Any, lengths: Sequence[int] | None = None) -> np.ndarray:
+    """Every sample's length in tokens, from (in order): ``lengths`` (the adapter's argument), the
+    dataset's ``lengths`` attribute, a ``length`` column of a Hugging Face dataset (what the Trainer's
+    ``length_column_name`` names by default), else the length of each sample's ``input_ids``, read
+    once here. Fails naming these ways when none applies or a length is not a positive integer."""
+    size = len(dataset)
+    source = "lengths="
+    if lengths is None and getattr(dataset, "lengths", None) is not None:
+        lengths, source = dataset.lengths, "the dataset's lengths attribute"
+    if lengths is None and "length" in (getattr(dataset, "column_names", None) or ()):
+        lengths, source = dataset["length"], "the dataset's length column"
+    if lengths is None:
+        lengths, source = [_input_ids_length(dataset, i) for i in range(size)], "each sample's input_ids"
+    arr = np.asarray(lengths)
+    if arr.shape != (size,) or arr.dtype.kind not in "iu" or (size and arr.min() < 1):
+        raise ValueError(
+            f"balance needs one positive integer length per sample: {source} gave "
+            f"{arr.dtype} of shape {arr.shape} for {size} samples"
+        )
+    return arr.astype(np.int64)
+
+
+def _input_ids_length(dataset: Any, index: int) -> int:
+    sample = dataset[index]
+    ids = sample.get("input_ids") if isinstance(sample, dict) else None
+    if ids is None:
+        raise ValueError(
+            f"balance needs each sample's length: sample {index} of {type(dataset).__name__} has no "
+            "input_ids; give the lengths (the adapter's lengths= argument, or a lengths attribute or "
+            "length column of the dataset)"
+        )
+    return int(ids.shape[-1]) if hasattr(ids, "shape") else len(ids)
+
+
+class Balancer:
+    """The cost-balanced split of each step's samples (dataset indices), the same on every rank: the
+    samples' lengths, the cost model, the layout and the token budget. Called with the step's
+    indices and the ranks' shares (their weights: rebalancing's split by device speed, or even);
+    returns each rank's indices."""
+
+    def __init__(
+        self, lengths: np.ndarray, cost: SampleCost, layout: str, max_tokens: int | None = None
+    ) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self.lengths = lengths
+        self.cost = cost
+        self.layout = layout
+        self.max_tokens = max_tokens
+
+    def __call__(self, indices: Sequence[int], shares: Sequence[int]) -> list[list[int]]:
+        lengths = self.lengths[np.asarray(indices)]
+        try:
+            parts = assign(lengths, len(shares), self.cost, self.layout, shares, self.max_tokens)
+        except ValueError as error:  # the budget: a configuration error, named as the field
+            raise PacingConfigError(f"balance.max_tokens: {error}") from error
+        return [[int(indices[p]) for p in ps] for ps in parts]
