@@ -288,6 +288,15 @@ class BalanceConfig(_Group):
             equals its linear layers' work (roughly a few times the model width)."""
         ),
     )
+    per_sample: float = field(
+        default=0.0,
+        metadata=doc(
+            """What a sample costs whatever its length, in tokens of the linear layers (the loop's and
+            the loss's per-sample work, kernel launches). On a small model it can outweigh the length:
+            measured 1,650 for the 2-layer, width-64 transformer of ``benchmarks/balance.py`` on one
+            CPU thread (``pace_strategy.data.balance.fit_cost`` fits it and ``quadratic_tokens``)."""
+        ),
+    )
     max_tokens: int | None = field(
         default=None,
         metadata=doc(
@@ -305,6 +314,7 @@ class BalanceConfig(_Group):
         if self.layout not in _BALANCE_LAYOUTS:
             _fail(self._name("layout"), self.layout, f"one of {', '.join(repr(c) for c in _BALANCE_LAYOUTS)}")
         _number(self, "quadratic_tokens", low=0.0, low_open=True)
+        _number(self, "per_sample", low=0.0)
         if self.max_tokens is not None:
             _positive_int(self, "max_tokens", allowed="an integer >= 1 or null")
 

@@ -43,6 +43,7 @@ __all__ = [
     "assign",
     "assign_packed",
     "assign_padded",
+    "fit_cost",
     "sample_lengths",
     "step_costs",
 ]
@@ -55,23 +56,43 @@ LAYOUTS = ("padded", "packed")
 
 @dataclass(frozen=True)
 class SampleCost:
-    """The predicted cost of a sample of ``L`` tokens, in token-equivalents: ``L`` (``tokens``) or
-    ``L + L**2 / quadratic_tokens`` (``attention``)."""
+    """The predicted cost of a sample of ``L`` tokens, in token-equivalents (the cost of one token of
+    the linear layers): ``per_sample + L`` (``tokens``) or ``per_sample + L + L**2 /
+    quadratic_tokens`` (``attention``). ``per_sample`` is what a sample costs whatever its length
+    (per-sample work of the loop, the loss, a kernel launch); :func:`fit_cost` measures both."""
 
     model: str = "attention"
     quadratic_tokens: float = 1024.0
+    per_sample: float = 0.0
 
     def __post_init__(self) -> None:
         if self.model not in COSTS:
             raise ValueError(f"cost model must be one of {COSTS}, got {self.model!r}")
         if not self.quadratic_tokens > 0:
             raise ValueError(f"quadratic_tokens must be > 0, got {self.quadratic_tokens!r}")
+        if not self.per_sample >= 0:
+            raise ValueError(f"per_sample must be >= 0, got {self.per_sample!r}")
 
     def __call__(self, lengths: np.ndarray) -> np.ndarray:
         lengths = np.asarray(lengths, dtype=np.float64)
         if self.model == "tokens":
-            return lengths
-        return lengths + lengths * lengths / self.quadratic_tokens
+            return self.per_sample + lengths
+        return self.per_sample + lengths + lengths * lengths / self.quadratic_tokens
+
+
+def fit_cost(lengths: Sequence[int], milliseconds: Sequence[float]) -> SampleCost:
+    """The ``attention`` cost of one sample fitted to measured times: ``t = a + b L + c L**2`` by least
+    squares (coefficients kept >= 0; ``b`` at least a thousandth of the mean time per token, so that
+    the unit exists), returned in units of ``b``: ``per_sample = a / b``, ``quadratic_tokens = b / c``.
+    ``lengths`` and ``milliseconds``: single samples timed (forward and backward) at several lengths."""
+    L = np.asarray(lengths, dtype=np.float64)
+    t = np.asarray(milliseconds, dtype=np.float64)
+    if L.shape != t.shape or len(np.unique(L)) < 3:
+        raise ValueError("fit_cost needs times of single samples at three lengths at least")
+    design = np.stack([np.ones_like(L), L, L * L], axis=1)
+    a, b, c = np.clip(np.linalg.lstsq(design, t, rcond=None)[0], 0.0, None)
+    b = max(b, 1e-3 * float(np.mean(t / L)))
+    return SampleCost("attention", quadratic_tokens=float(b / c) if c > 0 else 1e12, per_sample=float(a / b))
 
 
 def _weights(world: int, weights: Sequence[float] | None) -> np.ndarray:

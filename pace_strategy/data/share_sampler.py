@@ -278,6 +278,13 @@ class ShareBatchSampler(Sampler[list[int]]):
             self._consumed += 1
             return self._built.popleft()
 
+    @property
+    def untaken_batches(self) -> int:
+        """Batches built that the training side never took, while it has taken none at all
+        (:meth:`pop_built` never called); 0 once it takes them."""
+        with self._lock:
+            return 0 if self._popping else self._yielded - self._consumed
+
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """The position (epoch and batches trained in it: those popped by :meth:`pop_built`, else

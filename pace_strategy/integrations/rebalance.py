@@ -102,6 +102,7 @@ def share_scaled_allreduce(state: "DataRebalance", bucket: dist.GradBucket) -> t
     before DDP averages it is the same update as scaling the loss (up to rounding). With gradient
     accumulation it scales the accumulated gradient once, at the synchronizing micro-batch, which is
     exact because every micro-batch of a step has that step's shares."""
+    state.check_taken()
     if state.loss_scale != 1.0:
         bucket.buffer().mul_(state.loss_scale)
     return default_hooks.allreduce_hook(dist.group.WORLD, bucket)  # type: ignore[arg-type]
@@ -261,7 +262,7 @@ class DataRebalance:
             lengths = sample_lengths(loader.dataset, self.lengths)
         except ValueError as error:
             raise PacingConfigError(f"balance.enabled: {error}") from error
-        return Balancer(lengths, SampleCost(b.cost, b.quadratic_tokens), b.layout, b.max_tokens)
+        return Balancer(lengths, SampleCost(b.cost, b.quadratic_tokens, b.per_sample), b.layout, b.max_tokens)
 
     def _adopt(self, loader: DataLoader[Any], sampler: ShareBatchSampler) -> None:
         if self.sampler is not None and self.sampler is not sampler and self.sampler.epoch:
@@ -300,6 +301,20 @@ class DataRebalance:
         self._step_samples += built.samples
         if self.pacer is not None:
             self.pacer.set_samples(self._step_samples)
+
+    def check_taken(self) -> None:
+        """Fail when the loader has built more batches than the training side took (``begin_batch``)
+        beyond what it fetches ahead: the loop never says when a batch is in hand (a plain loop
+        without ``pace.begin_step()``), so no batch's factor would be applied and the update would
+        silently not be the global batch's mean."""
+        untaken = self.sampler.untaken_batches if self.sampler is not None else 0
+        if untaken > (self._lookahead + 1) * self.micro_batches + 1:
+            raise PacingConfigError(
+                f"the rebalanced loader has built {untaken} batches that no "
+                "step took: call pace.begin_step() when each batch is in hand (and pace.end_step() after "
+                "the optimizer step); without it no batch's share factor is applied and the update is not "
+                "the global batch's mean."
+            )
 
     def scale(self, loss: Tensor) -> Tensor:
         """``loss`` times this batch's share factor (unchanged, the same tensor, at even shares)."""

@@ -143,3 +143,19 @@ def test_monitor_cost_benchmark_times_every_arm_on_every_rank(tmp_path):
         assert all(r["wall_us"] > 100.0 and r["cpu_us"] > 0.0 for r in rows)  # a real step, timed
         assert rows[0]["wall_over_plain_us"] == 0.0
     assert "| 1 | grad_ready |" in table
+
+
+def test_balance_benchmark_trains_every_arm_and_balanced_batches_keep_the_global_mean(tmp_path):
+    """Cost-balanced batches through the product's path (``attach`` + ``pace.dataloader``) on a tiny
+    transformer: the ranks train unequal counts, and the global batch's mean loss and the weights stay
+    those of the even split on the same batches (one sample per forward: the same shapes, so only the
+    summation order differs)."""
+    args = ["--steps", "3", "--rounds", "1", "--skip", "1", "--batch", "6", "--layouts", "packed"]
+    _, result, table = _invoke(tmp_path, "balance.py", args)
+    (row,) = result["rows"]
+    assert set(row["ratio"]) == {"plain", "grouped", "balanced", "grouped+balanced"}
+    assert all(0.1 < v < 20.0 for v in row["ratio"].values()) and row["bound"] >= 1.0
+    counts = row["rank0_counts"]
+    assert set(counts["plain"]) == {6} and set(counts["balanced"]) != {6}  # balanced: unequal counts
+    assert row["max_relative_loss_gap"] < 1e-5 and row["max_weight_difference"] < 1e-5
+    assert "| packed |" in table

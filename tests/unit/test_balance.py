@@ -193,3 +193,57 @@ def test_lengths_come_from_the_argument_the_attribute_the_column_or_input_ids():
         sample_lengths([(1, 2), (3, 4)])
     with pytest.raises(ValueError, match="one positive integer length per sample"):
         sample_lengths(texts, [1, 0, 2])
+
+
+def test_fit_cost_recovers_the_coefficients_of_measured_times():
+    from pace_strategy.data.balance import fit_cost
+
+    lengths = [16, 32, 64, 128, 256, 512]
+    times = [3.0 + 0.002 * n + 6e-5 * n * n for n in lengths]  # ms: a, b, c
+    cost = fit_cost(lengths, times)
+    assert cost.model == "attention"
+    assert abs(cost.per_sample - 1500.0) < 1.0 and abs(cost.quadratic_tokens - 0.002 / 6e-5) < 0.1
+    # its predictions are the times in units of b
+    assert np.allclose(cost(np.asarray(lengths)) * 0.002, times)
+    with pytest.raises(ValueError, match="three lengths"):
+        fit_cost([16, 16, 32], [1.0, 1.0, 2.0])
+
+
+def test_the_balance_group_is_configured_and_checked_by_name():
+    from pace_strategy.core.config import PacingConfig
+    from pace_strategy.core.errors import PacingConfigError
+
+    config = PacingConfig.from_dict({"balance": {"enabled": True, "layout": "packed", "per_sample": 50.0}})
+    assert config.balance.enabled and config.splits_batches and config.balance.per_sample == 50.0
+    assert PacingConfig.from_dict({"balance": True}).balance.layout == "padded"
+    assert not PacingConfig().splits_batches
+    for bad, field in (({"cost": "flops"}, "balance.cost"), ({"max_tokens": 0}, "balance.max_tokens")):
+        with pytest.raises(PacingConfigError, match=field.replace(".", r"\.")):
+            PacingConfig.from_dict({"balance": bad})
+
+
+def test_a_loop_that_never_says_its_batch_is_in_hand_is_stopped_before_a_wrong_update():
+    from torch.utils.data import DataLoader
+
+    from pace_strategy.core.config import BalanceConfig
+    from pace_strategy.core.errors import PacingConfigError
+    from pace_strategy.integrations.rebalance import DataRebalance
+
+    def data_path():
+        path = DataRebalance(None, 0, 2, lambda: 0, 0, balance=BalanceConfig(enabled=True))
+        loader = path.replace(DataLoader(Texts([16, 32, 64, 128] * 8), batch_size=2, collate_fn=list))
+        return path, iter(loader)
+
+    path, batches = data_path()
+    for _ in range(3):  # begin_batch (pace.begin_step) as each batch is taken: fine
+        next(batches)
+        path.begin_batch()
+        path.check_taken()
+        path.end_step()
+    path, batches = data_path()
+    next(batches)
+    path.check_taken()  # the batch in hand, taken at begin_step, may be the one built ahead
+    for _ in range(3):
+        next(batches)
+    with pytest.raises(PacingConfigError, match=r"call pace.begin_step\(\)"):
+        path.check_taken()  # what the comm hook calls in every backward
