@@ -32,6 +32,34 @@ ARMS = {
     "paced monitor": ["--strategy", "paced_ddp", "--pacing", "mode=monitor"],
     "paced adaptive": ["--strategy", "paced_ddp"],
 }
+#: arms that take monitoring apart, one part off at a time (``--arms``): where its cost is
+ABLATION = {
+    "monitor, no record": [
+        "--strategy",
+        "paced_ddp",
+        "--pacing",
+        "mode=monitor",
+        "--pacing",
+        "run_record=false",
+    ],
+    "monitor, no windows": [
+        "--strategy",
+        "paced_ddp",
+        "--pacing",
+        "mode=monitor",
+        "--pacing",
+        "exchange_every_steps=1000000",
+    ],
+    "monitor, no hang watchdog": [
+        "--strategy",
+        "paced_ddp",
+        "--pacing",
+        "mode=monitor",
+        "--pacing",
+        "hang.timeout_s=0",
+    ],
+}
+ALL_ARMS = {**ARMS, **ABLATION}
 
 
 def run_arm(
@@ -40,7 +68,10 @@ def run_arm(
     """One training run; returns rank 0's step times and, for paced arms, the pacer's own window cost
     (microseconds per step, measured inside the run)."""
     demo = ["--devices", str(args.devices), "--steps", str(args.steps), "--straggler", ""]
-    demo += ["--compute-ms", str(args.compute_ms), *ARMS[arm]]
+    strategy = ALL_ARMS[arm]
+    if args.fork:  # ranks forked from the launcher: the same training, a faster start
+        strategy = [{"ddp": "ddp_fork", "paced_ddp": "paced_ddp_fork"}.get(a, a) for a in strategy]
+    demo += ["--compute-ms", str(args.compute_ms), *strategy]
     times, record = run_demo(workdir, index, demo, skip=args.skip)
     cost = None
     if record is not None:
@@ -77,11 +108,16 @@ def main() -> int:
     p.add_argument("--skip", type=int, default=30, help="warm-up steps dropped from each run")
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--compute-ms", type=float, default=30.0, help="emulated accelerator time per step")
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ALL_ARMS), help="ddp first")
+    p.add_argument("--fork", action="store_true", help="fork the ranks (ddp_fork / paced_ddp_fork)")
     p.add_argument("--out", default="benchmarks/results/overhead.json")
     args = p.parse_args()
+    if args.arms[0] != "ddp":
+        p.error("--arms: the first arm is the baseline, ddp")
 
-    arms = list(ARMS)
+    arms = list(args.arms)
     medians: dict[str, list[float]] = {a: [] for a in arms}
+    means: dict[str, list[float]] = {a: [] for a in arms}
     costs: dict[str, list[float]] = {a: [] for a in arms}
     pooled: dict[str, list[float]] = {a: [] for a in arms}
     total = args.repeats * len(arms)
@@ -96,6 +132,7 @@ def main() -> int:
                 if cost is not None:
                     costs[arm].append(cost)
                 medians[arm].append(statistics.median(times))
+                means[arm].append(statistics.fmean(times))
                 pooled[arm].extend(times)
                 print(
                     f"[{index:>2}/{total}] {arm:<15} median {medians[arm][-1]:7.2f} ms "
@@ -104,9 +141,11 @@ def main() -> int:
                 )
     hot = hot_path_us()
     base = statistics.median(medians["ddp"])
+    base_mean = statistics.median(means["ddp"])
     rows = []
     for arm in arms:
         m = statistics.median(medians[arm])
+        mean = statistics.median(means[arm])
         rows.append(
             {
                 "arm": arm,
@@ -115,6 +154,10 @@ def main() -> int:
                 "spread_ms": [min(medians[arm]), max(medians[arm])],
                 "pooled_median_ms": statistics.median(pooled[arm]),
                 "ratio_to_ddp": m / base,
+                "mean_step_ms": mean,
+                "run_means_ms": means[arm],
+                # what throughput sees: every step counted, the slow ones at a window's end too
+                "throughput_ratio_to_ddp": base_mean / mean,
                 "pooled_ratio_to_ddp": statistics.median(pooled[arm]) / statistics.median(pooled["ddp"]),
                 "rank0_window_work_us_per_step": statistics.median(costs[arm]) if costs[arm] else None,
             }
@@ -124,12 +167,16 @@ def main() -> int:
         f"{args.repeats} interleaved runs per arm, emulated compute {args.compute_ms:g} ms/step"
     )
     print(header)
-    print(f"{'arm':<16}{'median step':>12}{'run spread':>20}{'ratio to ddp':>14}{'pooled ratio':>14}")
+    print(
+        f"{'arm':<28}{'median step':>12}{'run spread':>20}{'ratio to ddp':>14}{'pooled ratio':>14}"
+        f"{'mean step':>12}{'throughput':>12}"
+    )
     for r in rows:
         spread = f"{r['spread_ms'][0]:.2f}-{r['spread_ms'][1]:.2f} ms"
         print(
-            f"{r['arm']:<16}{r['median_step_ms']:>9.2f} ms{spread:>20}"
+            f"{r['arm']:<28}{r['median_step_ms']:>9.2f} ms{spread:>20}"
             f"{r['ratio_to_ddp']:>14.4f}{r['pooled_ratio_to_ddp']:>14.4f}"
+            f"{r['mean_step_ms']:>9.2f} ms{r['throughput_ratio_to_ddp']:>12.4f}"
         )
     calls = "begin, enter_sync, 1 bucket, arrive, done, end"
     print(f"Pacer per-step hot path alone: {hot:.1f} us per step ({calls})")
