@@ -102,8 +102,7 @@ class HangConfig(_Group):
 
     def __post_init__(self) -> None:
         _number(self, "timeout_s", low=0.0)
-        if self.action not in _HANG_ACTIONS:
-            _fail(self._name("action"), self.action, f"one of {', '.join(repr(a) for a in _HANG_ACTIONS)}")
+        _choice(self, "action", _HANG_ACTIONS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -293,7 +292,7 @@ class BalanceConfig(_Group):
         metadata=doc(
             """What a sample costs whatever its length, in tokens of the linear layers (the loop's and
             the loss's per-sample work, kernel launches). On a small model it can outweigh the length:
-            measured 1,650 for the 2-layer, width-64 transformer of ``benchmarks/balance.py`` on one
+            fitted at 390-981 for the 2-layer, width-64 transformer of ``benchmarks/balance.py`` on one
             CPU thread (``pace_strategy.data.balance.fit_cost`` fits it and ``quadratic_tokens``)."""
         ),
     )
@@ -309,10 +308,8 @@ class BalanceConfig(_Group):
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
             _fail(self._name("enabled"), self.enabled, "true or false")
-        if self.cost not in _BALANCE_COSTS:
-            _fail(self._name("cost"), self.cost, f"one of {', '.join(repr(c) for c in _BALANCE_COSTS)}")
-        if self.layout not in _BALANCE_LAYOUTS:
-            _fail(self._name("layout"), self.layout, f"one of {', '.join(repr(c) for c in _BALANCE_LAYOUTS)}")
+        _choice(self, "cost", _BALANCE_COSTS)
+        _choice(self, "layout", _BALANCE_LAYOUTS)
         _number(self, "quadratic_tokens", low=0.0, low_open=True)
         _number(self, "per_sample", low=0.0)
         if self.max_tokens is not None:
@@ -593,10 +590,8 @@ class PacingConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.mode not in _MODES:
-            _fail("mode", self.mode, f"one of {', '.join(repr(m) for m in _MODES)}")
-        if self.ddp_monitor not in _DDP_MONITORS:
-            _fail("ddp_monitor", self.ddp_monitor, f"one of {', '.join(repr(m) for m in _DDP_MONITORS)}")
+        _choice(self, "mode", _MODES)
+        _choice(self, "ddp_monitor", _DDP_MONITORS)
         _positive_int(self, "exchange_every_steps")
         _positive_int(self, "activate_windows")
         _positive_int(self, "deactivate_windows")
@@ -626,14 +621,8 @@ class PacingConfig:
         _number(self, "straggler_warn_interval_s", low=0.0)
         if not isinstance(self.run_record, bool):
             _fail("run_record", self.run_record, "true or false")
-        if self.exchange_topology not in _EXCHANGE_TOPOLOGIES:
-            _fail(
-                "exchange_topology",
-                self.exchange_topology,
-                f"one of {', '.join(map(repr, _EXCHANGE_TOPOLOGIES))}",
-            )
-        if self.record_format not in _RECORD_FORMATS:
-            _fail("record_format", self.record_format, f"one of {', '.join(map(repr, _RECORD_FORMATS))}")
+        _choice(self, "exchange_topology", _EXCHANGE_TOPOLOGIES)
+        _choice(self, "record_format", _RECORD_FORMATS)
         for name, group in GROUPS.items():  # a bare switch or a mapping: the group object
             value = getattr(self, name)
             if isinstance(value, bool) and name in SWITCHED_GROUPS:
@@ -727,6 +716,12 @@ def _fail(name: str, value: object, allowed: str) -> None:
 def _display(cfg: Any, name: str) -> str:
     """``name``, or ``group.name`` for a field of a nested group."""
     return cfg._name(name) if isinstance(cfg, _Group) else name
+
+
+def _choice(cfg: Any, name: str, allowed: Sequence[str]) -> None:
+    """A field that takes one of the strings ``allowed`` (a ``Literal``'s arguments)."""
+    if getattr(cfg, name) not in allowed:
+        _fail(_display(cfg, name), getattr(cfg, name), f"one of {', '.join(map(repr, allowed))}")
 
 
 def _positive_int(cfg: Any, name: str, minimum: int = 1, allowed: str | None = None) -> None:

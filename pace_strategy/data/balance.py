@@ -29,10 +29,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 
+from pace_strategy.core.config import BalanceCost, BalanceLayout
 from pace_strategy.core.errors import PacingConfigError
 
 __all__ = [
@@ -48,10 +49,10 @@ __all__ = [
     "step_costs",
 ]
 
-#: the cost models of one sample (:class:`SampleCost`)
-COSTS = ("tokens", "attention")
-#: how a rank's samples make its batch: padded to its longest, or packed one after another
-LAYOUTS = ("padded", "packed")
+#: the cost models of one sample (:class:`SampleCost`): ``BalanceConfig.cost``'s values
+COSTS: tuple[str, ...] = get_args(BalanceCost)
+#: how a rank's samples make its batch, padded to its longest or packed: ``BalanceConfig.layout``'s
+LAYOUTS: tuple[str, ...] = get_args(BalanceLayout)
 
 
 @dataclass(frozen=True)
@@ -107,13 +108,18 @@ def _order_by_length(lengths: np.ndarray) -> np.ndarray:
     return np.lexsort((np.arange(len(lengths)), -lengths))
 
 
-def _check(lengths: Sequence[int], world: int) -> np.ndarray:
+def _by_length(
+    lengths: Sequence[int], world: int, cost: SampleCost, weights: Sequence[float] | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What both assignments start from, checked: the lengths, the ranks' normalized weights, the
+    positions longest first and each one's cost in that order."""
     arr = np.asarray(lengths, dtype=np.int64)
     if arr.ndim != 1 or len(arr) < world:
         raise ValueError(f"need at least one sample per rank: {len(arr)} samples for {world} ranks")
     if np.any(arr < 1):
         raise ValueError("every sample needs a length of at least one token")
-    return arr
+    order = _order_by_length(arr)
+    return arr, _weights(world, weights), order, cost(arr[order])
 
 
 def assign_padded(
@@ -127,10 +133,7 @@ def assign_padded(
     times the cost of its longest sample; the largest cost over weight is minimised over contiguous
     runs of the samples sorted by length, every rank at least one sample, ``count x longest`` at most
     ``max_tokens``. ``weights``: each rank's share of the work (its speed; even when ``None``)."""
-    arr = _check(lengths, world)
-    w = _weights(world, weights)
-    order = _order_by_length(arr)
-    per_sample = cost(arr[order])  # non-increasing along ``order``
+    arr, w, order, per_sample = _by_length(lengths, world, cost, weights)  # costs non-increasing
     ranks = np.lexsort((np.arange(world), -w))  # the heaviest rank takes the longest run
 
     def runs(bound: float) -> list[int] | None:
@@ -186,10 +189,7 @@ def assign_packed(
     its samples' costs; longest first, each sample to the rank whose cost over weight grows least
     (ties to the lowest rank) among those with room for it under ``max_tokens``; every rank at least
     one sample."""
-    arr = _check(lengths, world)
-    w = _weights(world, weights)
-    order = _order_by_length(arr)
-    per_sample = cost(arr[order])
+    arr, w, order, per_sample = _by_length(lengths, world, cost, weights)
     load = np.zeros(world)
     tokens = np.zeros(world, dtype=np.int64)
     out: list[list[int]] = [[] for _ in range(world)]

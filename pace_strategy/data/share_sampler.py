@@ -212,14 +212,20 @@ class ShareBatchSampler(Sampler[list[int]]):
         generator.manual_seed(self.seed + epoch)
         return torch.randperm(self.length, generator=generator)
 
+    def _chunk(self, order: list[int], index: int) -> list[int]:
+        """Batch ``index`` of an epoch, every rank's samples: its slice of ``order`` (an epoch's last,
+        partial one padded from the epoch's start when it has fewer samples than ranks)."""
+        n, world = self.schedule.global_batch, self.schedule.world_size
+        chunk = order[index * n : (index + 1) * n]
+        if len(chunk) < world:
+            chunk = chunk + order[: world - len(chunk)]
+        return chunk
+
     def _split(self, order: list[int], index: int, shares: tuple[int, ...]) -> list[list[int]]:
         """Batch ``index`` of an epoch: its slice of ``order``, cut by ``shares`` (scaled when
         partial)."""
-        n = self.schedule.global_batch
-        chunk = order[index * n : (index + 1) * n]
-        if len(chunk) < n:
-            if len(chunk) < len(shares):  # fewer samples than ranks: pad from the epoch's start
-                chunk = chunk + order[: len(shares) - len(chunk)]
+        chunk = self._chunk(order, index)
+        if len(chunk) < self.schedule.global_batch:
             shares = scaled_shares(shares, len(chunk))
         out, at = [], 0
         for s in shares:
@@ -251,7 +257,7 @@ class ShareBatchSampler(Sampler[list[int]]):
             self.schedule.note_built(step)
             shares = self.schedule.shares_for_step(step)
             if self.balancer is not None:
-                parts = self.balancer([x for b in self._split(order, i, shares) for x in b], shares)
+                parts = self.balancer(self._chunk(order, i), shares)
                 shares = tuple(len(b) for b in parts)
                 batch = parts[self.rank]
             elif i == count - 1 and self.length % self.schedule.global_batch:

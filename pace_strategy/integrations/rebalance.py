@@ -307,7 +307,9 @@ class DataRebalance:
         beyond what it fetches ahead: the loop never says when a batch is in hand (a plain loop
         without ``pace.begin_step()``), so no batch's factor would be applied and the update would
         silently not be the global batch's mean."""
-        untaken = self.sampler.untaken_batches if self.sampler is not None else 0
+        if self._step_batches or self.sampler is None:  # this step took its batch: nothing to check
+            return
+        untaken = self.sampler.untaken_batches
         if untaken > (self._lookahead + 1) * self.micro_batches + 1:
             raise PacingConfigError(
                 f"the rebalanced loader has built {untaken} batches that no "
