@@ -97,7 +97,7 @@ def _hook_trainer() -> None:
         init(self, *args, **kwargs)
         _add_callback(self)
 
-    Trainer.__init__ = paced_init  # type: ignore[method-assign]
+    Trainer.__init__ = paced_init
 
 
 def _add_callback(trainer: Any) -> None:
