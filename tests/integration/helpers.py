@@ -15,6 +15,7 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from pace_strategy.cli import main as cli_main
+from tests.integration.preloaded import run_python
 
 
 def demo_command(tmp_path: Path, *args: str) -> list[str]:
@@ -23,15 +24,9 @@ def demo_command(tmp_path: Path, *args: str) -> list[str]:
 
 
 def run_demo(tmp_path: Path, *args: str, timeout: float = 150.0) -> subprocess.CompletedProcess[str]:
+    """``pace demo ARGS``, forked from a process that has imported Lightning (preloaded.py)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run(
-        demo_command(tmp_path, *args),
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_python(demo_command(tmp_path, *args)[1:], cwd=tmp_path, env=env, timeout=timeout)
 
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes" / "train"
@@ -53,20 +48,8 @@ def run_recipe(
 ) -> subprocess.CompletedProcess[str]:
     """``recipes/train/lightning_train.py RECIPE`` with logs under ``tmp_path/runs``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run(
-        [
-            sys.executable,
-            str(RECIPES / "lightning_train.py"),
-            str(RECIPES / recipe),
-            f"output.root={tmp_path / 'runs'}",
-            *overrides,
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    script = [str(RECIPES / "lightning_train.py"), str(RECIPES / recipe), f"output.root={tmp_path / 'runs'}"]
+    return run_python([*script, *overrides], cwd=tmp_path, env=env, timeout=timeout)
 
 
 def why_failed(output: str, tail: int = 3000) -> str:

@@ -10,8 +10,6 @@ import importlib
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -26,6 +24,7 @@ from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.state import CHECKPOINT_KEY
 from pace_strategy.telemetry import RECORD_FILENAME, read_run_record
 from tests.integration.helpers import read_scalars, why_failed
+from tests.integration.preloaded import PreloadedJob
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -84,23 +83,16 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     procs = {}
     for phase in REPORTS:
         (base / phase).mkdir()
-        procs[phase] = subprocess.Popen(
-            [sys.executable, str(SCRIPT), phase, str(base / phase), str(out)],
-            cwd=base / phase,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+        procs[phase] = PreloadedJob(
+            [str(SCRIPT), phase, str(base / phase), str(out)], cwd=base / phase, env=env
         )
     try:
         for phase, proc in procs.items():
             _, stderr = proc.communicate(timeout=180)
-            assert proc.returncode == 0, f"{phase} jobs failed:\n{why_failed(stderr, 6000)}"
+            assert proc.returncode == 0, f"{phase} jobs failed:\n{why_failed(stderr or '', 6000)}"
     finally:
         for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+            proc.kill()
     reports = {
         phase: [json.loads((out / f"{phase}-rank_{r}.json").read_text()) for r in range(REPORTS[phase])]
         for phase in procs

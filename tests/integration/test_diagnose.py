@@ -21,6 +21,7 @@ from tests.integration.helpers import (
     run_demo,
     why_failed,
 )
+from tests.integration.preloaded import PreloadedJob, run_python
 
 pytestmark = [pytest.mark.integration, pytest.mark.alone, pytest.mark.timeout(240)]
 
@@ -105,15 +106,7 @@ def crowded_run(tmp_path: Path, straggler: str, steps: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     demo = ["--root", str(tmp_path / "runs"), "--quiet", "--no-diagnosis", "--name", "crowded"]
     demo += ["--compute-ms", "10", *PACING, "--devices", "3", "--steps", str(steps), "--straggler", straggler]
-    out = subprocess.run(
-        [sys.executable, "-m", "pace_strategy", "demo", *demo],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=150,
-        preexec_fn=lambda: os.sched_setaffinity(0, cores),
-    )
+    out = run_python(["-m", "pace_strategy", "demo", *demo], cwd=tmp_path, env=env, timeout=150, cpus=cores)
     assert out.returncode == 0, why_failed(out.stderr, 3000)
     return diagnose_json(only_version_dir(tmp_path, "crowded"))
 
@@ -175,15 +168,20 @@ def launch_nodes(tmp_path: Path, name: str, nodes: list[tuple[dict, list[str]]],
             "",
             *demo_args,
         ]
-        procs.append(
-            subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        )
+        if prefix:  # a command into a network namespace: a new interpreter there
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                )
+            )
+        else:
+            procs.append(PreloadedJob(cmd[1:], cwd=tmp_path, env=env))
     try:
-        outs = [p.communicate(timeout=180) for p in procs]
+        outs = [(p.communicate(timeout=180)[1] or "", p.returncode) for p in procs]
     finally:
         for p in procs:
             p.kill()
-    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    assert all(code == 0 for _, code in outs), [err[-2000:] for err, _ in outs]
 
 
 def test_slow_local_rank_on_every_node_is_locality(tmp_path):
