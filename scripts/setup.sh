@@ -22,7 +22,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install --quiet --no-compile "torch==2.13.0"
 fi
 echo "setup: installing pace_strategy and its dependencies into $VENV"
-"$PY" -m pip install --quiet --no-compile -e ".[dev,accelerate,hf,prometheus,arrow]" 2> >(grep -v "is ignored: it is neither" >&2)
+"$PY" -m pip install --quiet --no-compile -e ".[dev,all]" 2> >(grep -v "is ignored: it is neither" >&2)
 # pip compiles what it installs one file at a time (85 s of the set-up's 137 here); compiled on
 # every core instead. Compiled at all because PYTHONDONTWRITEBYTECODE may be set (it is on the
 # project's machines): then nothing imported from source is ever cached, and every test process

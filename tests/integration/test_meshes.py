@@ -73,9 +73,9 @@ def test_hsdp_times_the_replicate_all_reduce_and_records_the_mesh(run):
     for k in (0, 2, 3):
         late = statistics.median(_lead(s, k, 1) for s in measured)
         assert 0.75 * 30.0 <= late <= 2 * 30.0, (k, late)
-    for s in measured[-4:]:
-        compute = s["ranks"]["compute_ms"]
-        assert compute[1] - max(compute[r] for r in (0, 2, 3)) > 20.0, compute
+    # its compute reads the 30 ms (medians over the steps: 4 ranks on 2 cores make single steps noisy)
+    compute = [statistics.median(s["ranks"]["compute_ms"][r] for s in measured) for r in range(WORLD)]
+    assert compute[1] - max(compute[r] for r in (0, 2, 3)) > 0.67 * 30.0, compute
 
 
 def test_hsdp_s_slow_rank_is_named_with_its_place_in_the_mesh(run):
