@@ -4,6 +4,9 @@
 Lightning nor Accelerate), yet ``Trainer(strategy="paced_ddp")`` must find our strategies in Lightning's
 registry. So the package registers them the moment Lightning itself is imported (or at once, when it
 already is), through a post-import hook on ``sys.meta_path`` that wraps the framework module's loader.
+
+An optional package that is not installed is named with the pip extra that installs it
+(:func:`require`, :func:`missing_extra`): the core needs only torch, numpy and omegaconf.
 """
 
 from __future__ import annotations
@@ -19,7 +22,15 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
-__all__ = ["lazy_attributes", "when_imported"]
+__all__ = [
+    "EXTRAS",
+    "MissingExtraError",
+    "extra_error",
+    "lazy_attributes",
+    "missing_extra",
+    "require",
+    "when_imported",
+]
 
 log = logging.getLogger("pace_strategy")
 
@@ -32,11 +43,57 @@ def lazy_attributes(package: str, where: Mapping[str, str]) -> Callable[[str], A
         module = where.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
+        try:
+            value = getattr(importlib.import_module(module), name)
+        except ImportError as error:
+            raise (missing_extra(error, f"{package}.{name}") or error) from error
         setattr(sys.modules[package], name, value)
         return value
 
     return __getattr__
+
+
+#: an optional package's top-level import name -> the pip extra of pace-strategy that installs it
+EXTRAS = {
+    "lightning": "lightning",
+    "pytorch_lightning": "lightning",
+    "accelerate": "accelerate",
+    "transformers": "hf",
+    "tensorboard": "tensorboard",
+    "matplotlib": "plots",
+    "prometheus_client": "prometheus",
+    "pyarrow": "arrow",
+}
+
+
+class MissingExtraError(ImportError):
+    """A feature's package is not installed; the message names the pip extra that installs it."""
+
+
+def missing_extra(error: ImportError, what: str) -> MissingExtraError | None:
+    """The :class:`MissingExtraError` for ``error`` when it is an optional package that is not
+    installed (``None`` for any other import error, which must surface as it is). ``what``: the
+    feature, as the user called it."""
+    top = (getattr(error, "name", None) or "").split(".")[0]
+    if not isinstance(error, ModuleNotFoundError) or top not in EXTRAS:
+        return None
+    return extra_error(what, [top])
+
+
+def require(what: str, *packages: str) -> None:
+    """Raise :class:`MissingExtraError` when one of ``packages`` (top-level import names, keys of
+    :data:`EXTRAS`) is not installed, naming every extra that is missing."""
+    missing = [p for p in packages if importlib.util.find_spec(p) is None]
+    if missing:
+        raise extra_error(what, missing)
+
+
+def extra_error(what: str, packages: list[str]) -> MissingExtraError:
+    """The error for ``what`` without ``packages`` (keys of :data:`EXTRAS`), naming their extras."""
+    extras = ",".join(dict.fromkeys(EXTRAS[p] for p in packages))
+    return MissingExtraError(
+        f"{what} needs {', '.join(packages)}, which is not installed: pip install 'pace-strategy[{extras}]'"
+    )
 
 
 def _run_hook(module_name: str, hook: Callable[[], None]) -> None:

@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from pace_strategy._imports import MissingExtraError, missing_extra, require
 from pace_strategy._version import __version__
 
 __all__ = ["COMMANDS", "main"]
@@ -35,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
 }
 
+#: command -> the optional packages it cannot start without (the others fail where they are used,
+#: with the same message: ``pace diagnose`` without matplotlib writes its report without plots)
+NEEDS: dict[str, tuple[str, ...]] = {"demo": ("lightning", "tensorboard"), "launch": ("accelerate",)}
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -49,8 +54,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.parse_args(argv or ["--help"])
         return 2
     _configure_logging(os.environ.get("PACE_LOG_LEVEL", "WARNING").upper())
-    module = importlib.import_module(COMMANDS[argv[0]][0])
-    status: int = module.main(argv[1:])
+    try:
+        require(f"pace {argv[0]}", *NEEDS.get(argv[0], ()))
+        module = importlib.import_module(COMMANDS[argv[0]][0])
+        status: int = module.main(argv[1:])
+    except ImportError as error:
+        missing = error if isinstance(error, MissingExtraError) else missing_extra(error, f"pace {argv[0]}")
+        if missing is None:
+            raise
+        print(f"pace: {missing}", file=sys.stderr)
+        return 2
     return status
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import html
+import importlib.util
 import io
 import json
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from pace_strategy._imports import extra_error
 from pace_strategy.diagnose.config import DiagnosisConfig
 from pace_strategy.diagnose.digest import RunDigest, digest_run
 from pace_strategy.diagnose.result import Diagnosis, Mode, projection_text
@@ -68,7 +70,10 @@ def _mark_episodes(ax: Any, a: RunLines, diagnosis: Diagnosis, digest: RunDigest
 
 
 def _figures(a: RunLines, cfg: DiagnosisConfig, diagnosis: Diagnosis, digest: RunDigest) -> dict[str, bytes]:
-    """Every plot of the report, as PNG bytes by name (a plot with nothing to show is left out)."""
+    """Every plot of the report, as PNG bytes by name (a plot with nothing to show is left out);
+    none without matplotlib (the ``plots`` extra)."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return {}
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,6 +246,8 @@ def render_report(
         for f in diagnosis.findings
     )
     assumption = _assumption(diagnosis)
+    # said where the plots would be, so that a report without them is not taken for a run without data
+    no_plots = "" if importlib.util.find_spec("matplotlib") else str(extra_error("Drawing the plots", ["matplotlib"]))
     images = "".join(
         f'<h3>{name.replace("_", " ")}</h3><img alt="{name}" src="data:image/png;base64,'
         f'{base64.b64encode(png).decode()}">'
@@ -260,7 +267,7 @@ td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}img{{max-width:
 <table><tr><th>mode</th><th>ranks</th><th>hosts</th><th>confidence</th><th>lost step time</th>
 <th>at scale</th><th>evidence</th><th>action</th></tr>{rows}</table>
 {f"<p><i>{html.escape(assumption)}</i></p>" if assumption else ""}
-<h2>Plots</h2>{images}
+<h2>Plots</h2>{images}{f"<p>{html.escape(no_plots)}</p>" if no_plots else ""}
 <h2>Thresholds used</h2><pre>{html.escape(json.dumps(diagnosis.thresholds, indent=2))}</pre>
 </body></html>
 """
@@ -280,7 +287,7 @@ td,th{{border:1px solid #ccc;padding:4px 8px;vertical-align:top}}img{{max-width:
     if assumption:
         md.append(f"\n_{assumption}_")
     md.append("\n## Plots\n")
-    md += [f"![{name}]({name}.png)" for name in figures]
+    md += [f"![{name}]({name}.png)" for name in figures] + ([no_plots] if no_plots else [])
     md.append("\n## Thresholds used\n\n```json\n" + json.dumps(diagnosis.thresholds, indent=2) + "\n```\n")
     paths["markdown"] = out_dir / "report.md"
     paths["markdown"].write_text("\n".join(md), encoding="utf-8")
