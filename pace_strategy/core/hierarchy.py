@@ -15,8 +15,9 @@ The flat exchange all-gathers every rank's rows of a window to every rank: each 
 
 A rank that is not a leader receives its node's rows and one decision per window, and decides
 nothing. Per-rank detail crosses nodes only between leaders. The ring of leaders takes N - 1 hops
-for N nodes. What it costs: the leaders' all-gather and decision are not overlapped with training,
-every rank of a node waits for its leader's decision (benchmarks in docs/benchmarks.md).
+for N nodes. What it costs: the leaders' all-gather runs on the window's side thread while training
+goes on, a leader's part of the decision on its training thread, and every rank of a node waits for
+its leader's decision (benchmarks in docs/benchmarks.md).
 """
 
 from __future__ import annotations

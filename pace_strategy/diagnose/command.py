@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.monotonic() - started
     paths = {}
     if not args.no_report:
-        from pace_strategy.diagnose.report import render_report
+        from pace_strategy.diagnose.report import PLOTS, render_report
 
         out_dir = Path(args.out) if args.out else _report_parent(arrays) / "pace_report"
         paths = render_report(arrays, result, out_dir, cfg, digest)
@@ -116,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(_text(result))
     if paths:
-        print(f"\nreport: {paths['html']}  (plots and report.md beside it)")
+        beside = "plots and report.md" if set(paths) & set(PLOTS) else "report.md; no plots: see the report"
+        print(f"\nreport: {paths['html']}  ({beside} beside it)")
     return 0
 
 

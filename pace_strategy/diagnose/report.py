@@ -247,7 +247,11 @@ def render_report(
     )
     assumption = _assumption(diagnosis)
     # said where the plots would be, so that a report without them is not taken for a run without data
-    no_plots = "" if importlib.util.find_spec("matplotlib") else str(extra_error("Drawing the plots", ["matplotlib"]))
+    no_plots = (
+        ""
+        if importlib.util.find_spec("matplotlib")
+        else str(extra_error("Drawing the plots", ["matplotlib"]))
+    )
     images = "".join(
         f'<h3>{name.replace("_", " ")}</h3><img alt="{name}" src="data:image/png;base64,'
         f'{base64.b64encode(png).decode()}">'

@@ -19,12 +19,14 @@ type-hint conversion and validation as a YAML recipe (:func:`pace_strategy.setti
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
 import re
 import time
 import typing
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeAlias
@@ -118,15 +120,27 @@ def _decode(field: str, text: str) -> Any:
 def config_from_env(environ: Mapping[str, str] | None = None) -> PacingConfig | None:
     """The PacingConfig described by ``PACE_*`` variables, or ``None`` when none is set.
 
-    An unknown ``PACE_*`` variable is an error naming the nearest valid one; an invalid value is an
-    error naming the variable, the text received and what the field allows.
+    An unknown ``PACE_*`` variable is ignored with a warning naming the nearest valid one (another
+    tool may use the prefix); an invalid value is an error naming the variable, the text received and
+    what the field allows.
     """
     environ = os.environ if environ is None else environ
-    names = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in NON_CONFIG_ENV)
+    fields = _env_fields()
+    names = []
+    for k in sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in NON_CONFIG_ENV):
+        if k in fields:
+            names.append(k)
+            continue
+        # another tool's variable may share the prefix: it must not stop training from starting
+        hint = difflib.get_close_matches(k, list(fields), n=1)
+        warnings.warn(
+            f"pace_strategy ignores the environment variable {k}: no setting has that name."
+            + (f" Did you mean {hint[0]!r}?" if hint else "")
+            + " (docs/configuration.md lists every setting and its variable)",
+            stacklevel=2,
+        )
     if not names:
         return None
-    fields = _env_fields()
-    check_known_keys(names, list(fields), "pacing environment variable")
     field_of = {n: fields[n] for n in names}  # the field each variable sets
     values: dict[str, Any] = {}
     for n in names:

@@ -65,6 +65,11 @@ def test_an_explicit_config_beats_pace_variables(monkeypatch):
         assert handle.config.mode == "forced"
     with attach_pacing(accelerator, model, PacingConfig(mode="monitor")) as handle:
         assert handle.config.mode == "monitor"
+    # pacing= as every adapter takes it: a PacingConfig or a mapping of its fields
+    with attach_pacing(
+        accelerator, model, pacing={"mode": "monitor", "rebalance": {"enabled": True}}
+    ) as handle:
+        assert handle.config.mode == "monitor" and handle.config.rebalance.enabled
     monkeypatch.delenv("PACE_MODE")
     with attach_pacing(accelerator, model) as handle:
         assert handle.config == PacingConfig()

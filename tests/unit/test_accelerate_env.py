@@ -45,9 +45,15 @@ def test_a_switch_is_one_zero_true_or_false(text, value):
     assert config_from_env({"PACE_RUN_RECORD": text}).run_record is value
 
 
-def test_an_unknown_variable_suggests_the_nearest():
-    with pytest.raises(PacingConfigError, match="Did you mean 'PACE_MAX_DELAY_MS'"):
-        config_from_env({"PACE_MAX_DELAY": "3"})
+def test_an_unknown_variable_is_ignored_with_a_warning_suggesting_the_nearest():
+    """Another tool's ``PACE_*`` variable must not stop training from starting; a typo of ours is
+    named with the setting it was probably meant for."""
+    with pytest.warns(
+        UserWarning, match="ignores the environment variable PACE_MAX_DELAY.*Did you mean 'PACE_MAX_DELAY_MS'"
+    ):
+        assert config_from_env({"PACE_MAX_DELAY": "3"}) is None
+    with pytest.warns(UserWarning, match="PACE_API_TOKEN"):
+        assert config_from_env({"PACE_API_TOKEN": "x", "PACE_MODE": "monitor"}).mode == "monitor"
 
 
 @pytest.mark.parametrize(

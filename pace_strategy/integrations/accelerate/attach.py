@@ -31,6 +31,8 @@ from pace_strategy.integrations.data import forward_tokens, loader_workers, time
 from pace_strategy.integrations.env import (
     ENV_PREFIX,
     NON_CONFIG_ENV,
+    PacingArg,
+    as_pacing_config,
     config_from_env,
     default_run_dir,
     record_dir,
@@ -140,7 +142,7 @@ class PacingHandle(PacingDriver):
 def attach_pacing(
     accelerator: Any,
     model: Any,
-    config: PacingConfig | None = None,
+    pacing: PacingArg = None,
     *,
     optimizer: Any | None = None,
     dataloaders: Iterable[Any] | None = None,
@@ -159,8 +161,10 @@ def attach_pacing(
     below, replaces it.
 
     Args:
-        config: the pacing configuration; without it, the ``PACE_*`` variables (``pace launch`` sets
-            them from the accelerate config's ``pacing_config:`` section), else the defaults.
+        pacing: the pacing configuration: a :class:`~pace_strategy.PacingConfig` or a mapping of its
+            fields, as the other adapters take it; without it, the ``PACE_*`` variables (``pace
+            launch`` sets them from the accelerate config's ``pacing_config:`` section), else the
+            defaults.
         optimizer: the prepared optimizer whose step ends a training step (default: the one
             optimizer ``prepare`` returned).
         dataloaders: the prepared dataloaders to measure input wait in and to begin steps at their
@@ -176,13 +180,15 @@ def attach_pacing(
             ``add_custom_scalars`` of the accelerator's TensorBoard trackers).
     """
     if (
-        taken := _attached_before(model, (config, optimizer, dataloaders, run_dir, metrics_sink))
+        taken := _attached_before(model, (pacing, optimizer, dataloaders, run_dir, metrics_sink))
     ) is not None:
         return taken
-    if config is None:
+    if pacing is None:
         config = config_from_env() or PacingConfig()
-    elif any(k.startswith(ENV_PREFIX) and k not in NON_CONFIG_ENV for k in os.environ):
-        log.info("pace_strategy: attach_pacing(config=...) given; PACE_* config variables are ignored")
+    else:
+        config = as_pacing_config(pacing)
+        if any(k.startswith(ENV_PREFIX) and k not in NON_CONFIG_ENV for k in os.environ):
+            log.info("pace_strategy: attach_pacing(pacing=...) given; PACE_* config variables are ignored")
     # accelerate wraps no model in DDP on one process: nothing to hook, whatever run_dir says
     if runs_alone(
         accelerator.num_processes, run_dir, record_alone=False, runs_as="attach_pacing does nothing"
