@@ -38,7 +38,7 @@ from pace_strategy.integrations.data import forward_tokens, loader_workers, time
 from pace_strategy.integrations.env import (
     PacingArg,
     as_pacing_config,
-    record_dir,
+    logger_record_dir,
     runs_alone,
 )
 from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance
@@ -377,14 +377,15 @@ def _mesh_coordinates(strategy: Any) -> dict[str, int] | None:
 
 def _record_dir(trainer: _Trainer, run_dir: Path | None) -> Path | None:
     """Where rank 0's run record goes: ``run_dir=`` > the logger's ``log_dir`` (where Lightning
-    writes the logger's own files) > ``$PACE_RUN_DIR`` > nowhere (``logger=False``: no record, as
-    ``ddp`` writes no log files). Explicit arguments beat the environment, as in ``attach_pacing``.
+    writes the logger's own files) > ``$PACE_RUN_DIR`` > ``./pace_runs/<date-time>`` for a logger
+    without a directory (W&B, MLflow) > nowhere (``logger=False``: no record, as ``ddp`` writes no
+    log files). Explicit arguments beat the environment, as in ``attach_pacing``
+    (:func:`~pace_strategy.integrations.env.logger_record_dir`).
 
     Reading ``log_dir`` creates nothing (TensorBoardLogger and CSVLogger make it at their first
     write); the record itself is created at its first write too.
     """
-    logger = trainer.logger
-    return record_dir(run_dir, logger.log_dir if logger is not None else None)
+    return logger_record_dir(run_dir, trainer.logger)
 
 
 def _metrics_sink(trainer: _Trainer) -> MetricsSink | None:

@@ -47,6 +47,7 @@ __all__ = [
     "config_to_env",
     "default_run_dir",
     "env_name",
+    "logger_record_dir",
     "record_dir",
     "run_dir_from_env",
     "runs_alone",
@@ -212,7 +213,27 @@ def record_dir(
     return from_env if from_env is not None else fallback
 
 
+def logger_record_dir(explicit: str | os.PathLike[str] | None, logger: Any | None) -> Path | None:
+    """The run record's directory for an adapter whose framework logs through a logger (Lightning,
+    Fabric): ``explicit`` > the logger's ``log_dir`` > ``$PACE_RUN_DIR`` > :func:`default_run_dir`
+    when the logger keeps no directory of its own (``WandbLogger``, ``MLFlowLogger``: said once, at
+    warning level, with the path); no record without a logger (``logger=False``), as the framework
+    then writes no files either."""
+    if logger is None:
+        return record_dir(explicit, None)
+    fallback = default_run_dir()
+    found = record_dir(explicit, getattr(logger, "log_dir", None), fallback=fallback)
+    if found == fallback:
+        log.warning(
+            "pace_strategy: %s keeps no log directory; the run record goes to %s (run_dir= or "
+            "$PACE_RUN_DIR choose another)",
+            type(logger).__name__,
+            found,
+        )
+    return found
+
+
 def default_run_dir() -> Path:
     """``./pace_runs/<date-time>``: where a run record goes when nothing says where (Accelerate, plain
-    PyTorch)."""
+    PyTorch, a Lightning or Fabric logger without a directory)."""
     return Path.cwd() / "pace_runs" / time.strftime("%Y%m%d-%H%M%S")

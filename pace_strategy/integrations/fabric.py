@@ -37,7 +37,7 @@ from pace_strategy.integrations.data import forward_tokens, loader_workers, time
 from pace_strategy.integrations.env import (
     PacingArg,
     as_pacing_config,
-    record_dir,
+    logger_record_dir,
     runs_alone,
 )
 from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance
@@ -107,9 +107,10 @@ class FabricPacing(PacingDriver):
             log.info("pace_strategy: %s mode, run record %s", self.config.mode, session.record_path or "off")
 
     def _record_dir(self, fabric: Fabric | None) -> Path | None:
-        """Explicit ``run_dir`` > the first logger's directory > ``$PACE_RUN_DIR`` > none."""
-        logged = fabric.loggers[0].log_dir if fabric is not None and fabric.loggers else None
-        return record_dir(self.run_dir, logged)
+        """Explicit ``run_dir`` > the first logger's directory > ``$PACE_RUN_DIR`` > a new
+        ``./pace_runs/<date-time>`` for a logger without one > none without a logger."""
+        logger = fabric.loggers[0] if fabric is not None and fabric.loggers else None
+        return logger_record_dir(self.run_dir, logger)
 
     def _live(self) -> PacingSession | None:
         """The session while it runs and the paced model trains (not in eval mode, not under

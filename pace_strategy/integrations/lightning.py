@@ -25,7 +25,8 @@ class PacedDDPStrategy(PacedDDPMixin, DDPStrategy):
         pacing: a :class:`~pace_strategy.PacingConfig`, a mapping of its fields, or ``None`` for the
             defaults.
         run_dir: the directory of rank 0's run record ``pace_run.jsonl``. Default: the logger's
-            ``log_dir``, else ``$PACE_RUN_DIR``, else none is written (``logger=False``). With one
+            ``log_dir``, else ``$PACE_RUN_DIR``, else ``./pace_runs/<date-time>`` for a logger without
+            a directory (W&B, MLflow); none with ``logger=False``. With one
             process, a run directory (this or ``$PACE_RUN_DIR``) is what turns monitoring on; under
             ``fast_dev_run`` nothing is written at all.
         *args, **kwargs: ``DDPStrategy``'s arguments, in its positions (a drop-in:
