@@ -51,7 +51,8 @@ def test_a_flat_name_is_no_field_and_fails_naming_the_nearest():
         PacingConfig(rebalance_quantum=4)
     with pytest.raises(PacingConfigError, match=r"Unknown pacing config field 'gc_sync_freeze'"):
         as_pacing_config({"gc_sync_freeze": True})
-    with pytest.raises(PacingConfigError, match=r"PACE_HANG_TIMEOUT_S.*Did you mean 'PACE_HANG__TIMEOUT_S'"):
+    # a variable is warned about and ignored (another tool may share the prefix)
+    with pytest.warns(UserWarning, match=r"PACE_HANG_TIMEOUT_S.*Did you mean 'PACE_HANG__TIMEOUT_S'"):
         config_from_env({"PACE_HANG_TIMEOUT_S": "60"})
     with pytest.raises(PacingConfigError, match=r"Unknown pacing config field 'rebalance_quantum'"):
         PacingConfig.from_dict({"rebalance": True, "rebalance_quantum": 4})
@@ -63,7 +64,7 @@ def test_a_misspelled_field_fails_naming_it():
         PacingConfig(rebalance={"quantm": 4})
     with pytest.raises(PacingConfigError, match=r"pacing\.rebalance\.quantm"):
         build(PacingConfig, {"rebalance": {"quantm": 4}}, "pacing.")
-    with pytest.raises(PacingConfigError, match=r"PACE_REBALANCE__QUANTM.*PACE_REBALANCE__QUANTUM"):
+    with pytest.warns(UserWarning, match=r"PACE_REBALANCE__QUANTM.*PACE_REBALANCE__QUANTUM"):
         config_from_env({"PACE_REBALANCE__QUANTM": "4"})
     with pytest.raises(
         PacingConfigError, match=r"PacingConfig\.gc_sync=3 is invalid: expected a GcSyncConfig"
