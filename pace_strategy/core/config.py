@@ -509,9 +509,17 @@ class PacingConfig:
     metrics_port: int = field(
         default=0,
         metadata=doc(
-            """Rank 0 serves live Prometheus metrics on this TCP port (all interfaces; 0: no endpoint, the
-            default). Needs ``pip install 'pace-strategy[prometheus]'``; a port that cannot be bound fails
-            at start. Updated once per window, off the training thread (docs/telemetry.md)."""
+            """Rank 0 serves live Prometheus metrics on this TCP port (on ``metrics_host``; 0: no endpoint,
+            the default). Needs ``pip install 'pace-strategy[prometheus]'``; a port that cannot be bound
+            fails at start. Updated once per window, off the training thread (docs/telemetry.md)."""
+        ),
+    )
+    metrics_host: str = field(
+        default="0.0.0.0",
+        metadata=doc(
+            """The address rank 0's metrics endpoint binds: every interface by default, as a scraper on
+            another host needs; ``127.0.0.1`` keeps it on the host, an interface's address on that
+            network only."""
         ),
     )
     exchange_timeout_s: float = field(
@@ -604,6 +612,8 @@ class PacingConfig:
         _number(self, "cooldown_growth", low=1.0)
         _positive_int(self, "per_rank_tag_limit", minimum=0)
         _positive_int(self, "metrics_port", minimum=0)
+        if not isinstance(self.metrics_host, str) or not self.metrics_host.strip():
+            _fail("metrics_host", self.metrics_host, "an address to bind, e.g. '0.0.0.0' or '127.0.0.1'")
         if self.metrics_port > 65535:
             _fail("metrics_port", self.metrics_port, "a TCP port in 1..65535, or 0 for no endpoint")
         for name in ("activate_skew_fraction", "deactivate_skew_fraction", "max_delay_step_fraction"):

@@ -284,7 +284,11 @@ class Publisher:
         if config.metrics_port:
             from pace_strategy.telemetry.prometheus import MetricsEndpoint
 
-            sinks.append(MetricsEndpoint(config.metrics_port, world_size, config.per_rank_tag_limit))
+            sinks.append(
+                MetricsEndpoint(
+                    config.metrics_port, world_size, config.per_rank_tag_limit, addr=config.metrics_host
+                )
+            )
         sinks.extend(more)
         # whether anything reads the summaries' per-rank tuples: the JSON record's step lines, or tags
         # per rank (up to ``per_rank_tag_limit``); a wide world with the columnar record has none

@@ -11,7 +11,7 @@ import pytest
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.records import Decision, PolicyState, StepSummary
 from pace_strategy.telemetry.prometheus import MetricsEndpoint
-from tests.integration.helpers import parse_metrics
+from tests.integration.helpers import free_port, parse_metrics
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -78,3 +78,26 @@ def test_a_port_in_use_fails_at_start_naming_the_field():
         port = taken.getsockname()[1]
         with pytest.raises(PacingConfigError, match=rf"metrics_port={port}: rank 0 cannot serve"):
             MetricsEndpoint(port, 2, per_rank_tag_limit=64, addr="127.0.0.1")
+
+
+def test_the_endpoint_binds_the_configured_host_only():
+    """``metrics_host`` reaches the endpoint rank 0's sinks start: bound to loopback, it answers there
+    and is not bound on every interface."""
+    from pace_strategy.core.config import PacingConfig
+    from pace_strategy.telemetry.sinks import Publisher
+
+    publisher = Publisher.rank0(PacingConfig(metrics_port=free_port(), metrics_host="127.0.0.1"), 2)
+    (endpoint,) = [s for s in publisher.sinks if isinstance(s, MetricsEndpoint)]
+    try:
+        assert endpoint._server.server_address[0] == "127.0.0.1"
+        assert "pace_steps_total" in _scrape(endpoint.port)
+    finally:
+        publisher.close(timeout_s=5.0)
+
+
+@pytest.mark.parametrize("host", ["", "  ", 7])
+def test_a_metrics_host_that_is_no_address_fails_naming_the_field(host):
+    from pace_strategy.core.config import PacingConfig
+
+    with pytest.raises(PacingConfigError, match=r"PacingConfig\.metrics_host=.* is invalid"):
+        PacingConfig(metrics_host=host)
