@@ -203,7 +203,9 @@ def local_placement(
     dataloader_workers: int | None = None,
     coordinates: Mapping[str, int] | None = None,
 ) -> RankPlacement:
-    """This rank's placement; node and local rank default to the launcher's environment variables;
+    """This rank's placement; node and local rank default to the launcher's environment variables
+    (torchrun's ``NODE_RANK``/``GROUP_RANK`` and ``LOCAL_RANK``, else SLURM's ``SLURM_NODEID`` and
+    ``SLURM_LOCALID`` for a job started by ``srun`` without torchrun);
     ``coordinates``: its mesh coordinates (:func:`mesh_coordinates`).
 
     Call it after the process has set its thread count (``torch.set_num_threads``): the intra-op
@@ -225,8 +227,8 @@ def local_placement(
     return RankPlacement(
         rank=rank,
         host=os.environ.get("PACE_HOSTNAME") or socket.gethostname(),
-        node_rank=node_rank if node_rank is not None else _env_int("NODE_RANK", "GROUP_RANK"),
-        local_rank=local_rank if local_rank is not None else _env_int("LOCAL_RANK"),
+        node_rank=node_rank if node_rank is not None else _env_int("NODE_RANK", "GROUP_RANK", "SLURM_NODEID"),
+        local_rank=local_rank if local_rank is not None else _env_int("LOCAL_RANK", "SLURM_LOCALID"),
         device=str(device),
         numa_node=numa,
         cpu_affinity=affinity,

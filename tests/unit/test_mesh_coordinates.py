@@ -38,3 +38,18 @@ def test_what_cannot_be_read_fails_naming_it(one_process):
         with pytest.raises(ValueError, match="expected this rank's stage"):
             mesh_coordinates(pipeline_stage=stage)  # type: ignore[arg-type]
     assert mesh_coordinates() == {} and mesh_coordinates(pipeline_stage=0) == {"pp": 0}
+
+
+def test_node_and_local_rank_come_from_torchrun_else_from_slurm(monkeypatch):
+    """A plain loop started by ``srun`` without torchrun has SLURM's variables only: its placement
+    still says where it runs (the locality diagnosis needs it); torchrun's win where both are set."""
+    for name in ("NODE_RANK", "GROUP_RANK", "LOCAL_RANK", "SLURM_NODEID", "SLURM_LOCALID"):
+        monkeypatch.delenv(name, raising=False)
+    cpu = torch.device("cpu")
+    assert (local_placement(0, cpu).node_rank, local_placement(0, cpu).local_rank) == (-1, -1)
+    monkeypatch.setenv("SLURM_NODEID", "3")
+    monkeypatch.setenv("SLURM_LOCALID", "5")
+    assert (local_placement(0, cpu).node_rank, local_placement(0, cpu).local_rank) == (3, 5)
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert (local_placement(0, cpu).node_rank, local_placement(0, cpu).local_rank) == (1, 2)
