@@ -4,16 +4,20 @@ The section is read and validated here, before any worker starts, then stripped:
 goes to a temporary file that accelerate's own launcher reads, and the pacing fields travel to the
 workers as ``PACE_*`` environment variables (``env.py``; ``attach_pacing`` reads them). With the
 section, every worker runs the script through ``bootstrap`` (zero-code pacing: the script needs no
-attach call); without it, this is accelerate launch as it is.
+attach call); without it, this is accelerate launch as it is, and says so. Without ``--config_file``
+the config is accelerate's default one (:func:`default_config_file`), as for accelerate launch. The
+scheduler's signals reach accelerate's launcher through this process (:data:`FORWARDED`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +25,7 @@ from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.integrations.accelerate.bootstrap import LAUNCHER_FLAG, MODULE
 from pace_strategy.integrations.env import config_to_env
 
-__all__ = ["main", "prepare_launch"]
+__all__ = ["FORWARDED", "default_config_file", "main", "prepare_launch", "run_forwarding_signals"]
 
 SECTION = "pacing_config"
 
@@ -35,6 +39,17 @@ def _config_arg(argv: list[str]) -> tuple[int, str] | None:
             if arg.startswith(flag + "="):
                 return i, arg.split("=", 1)[1]
     return None
+
+
+def default_config_file(environ: Mapping[str, str] | None = None) -> Path:
+    """Where ``accelerate launch`` reads its config when given none: accelerate's own rule
+    (``$HF_HOME``, else ``$XDG_CACHE_HOME/huggingface``, else ``~/.cache/huggingface``, then
+    ``accelerate/default_config.yaml``), written out so that ``pace launch`` starts without importing
+    accelerate."""
+    environ = os.environ if environ is None else environ
+    cache = environ.get("XDG_CACHE_HOME", "~/.cache")
+    home = os.path.expanduser(environ.get("HF_HOME", os.path.join(cache, "huggingface")))
+    return Path(home) / "accelerate" / "default_config.yaml"
 
 
 def _count(data: dict[Any, Any], key: str, path: str) -> int:
@@ -56,8 +71,12 @@ def prepare_launch(argv: Sequence[str]) -> tuple[list[str], dict[str, str], Path
 
     args = list(argv)
     found = _config_arg(args)
-    if found is None:
-        return args, {}, None
+    if found is None:  # accelerate's default config, where accelerate itself would read it
+        default = default_config_file()
+        if not default.is_file():
+            return args, {}, None
+        args = ["--config_file", str(default), *args]
+        found = (1, str(default))
     index, path = found
     try:
         data: Any = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
@@ -116,13 +135,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PacingConfigError as error:
         print(f"pace launch: error: {error}", file=sys.stderr)
         return 2
+    if not env:
+        where = _config_arg(list(argv))
+        print(
+            f"pace launch: no {SECTION}: section in "
+            + (where[1] if where else f"the default accelerate config ({default_config_file()})")
+            + "; running plain accelerate launch (pacing attaches only where the script calls "
+            "attach_pacing)",
+            file=sys.stderr,
+        )
     try:
         # bootstrap runs accelerate's own launcher, which starts each worker through bootstrap
         launcher = [MODULE, LAUNCHER_FLAG] if env else ["accelerate.commands.launch"]
         cmd = [sys.executable, "-m", *launcher, *args]
-        return subprocess.call(cmd, env={**os.environ, **env})
-    except KeyboardInterrupt:
-        return 130
+        return run_forwarding_signals(cmd, {**os.environ, **env})
     finally:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
+
+
+#: what a scheduler sends a job's launcher to end or checkpoint it: passed on to accelerate's launcher
+#: (which passes them on to its workers), so that `pace launch` can stand where `accelerate launch`
+#: did. Not SIGINT: a terminal's Ctrl-C reaches the whole foreground group, accelerate's launcher
+#: included, and a second copy would cut its clean-up short; `pace launch` then waits for it.
+FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def run_forwarding_signals(cmd: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run ``cmd`` and return its exit status (128 + N when signal N ended it, as a shell says),
+    passing every signal of :data:`FORWARDED` this process receives on to it meanwhile."""
+    child = subprocess.Popen(list(cmd), env=dict(env))  # handlers set after: the child keeps defaults
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, lambda _s, _f: None)
+    try:
+        code = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 - code if code < 0 else code
