@@ -39,6 +39,22 @@ def _rank_counts(text: str) -> list[int]:
     return counts
 
 
+def _modes(text: str) -> set[str]:
+    """``--fail-on``'s modes; ``any``: every mode but ``healthy``."""
+    from pace_strategy.diagnose.result import MODES
+
+    names = {x for x in text.replace(" ", "").split(",") if x}
+    if "any" in names:
+        names = (names - {"any"}) | (set(MODES) - {"healthy"})
+    unknown = sorted(names - set(MODES))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"--fail-on {text!r} is invalid: {', '.join(unknown) or 'no mode'} is no mode; expected modes "
+            f"separated by commas, or 'any', from: {', '.join(MODES)}"
+        )
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pace_strategy.diagnose.projection import DEFAULT_PROJECT_RANKS
 
@@ -76,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="override a diagnosis threshold"
     )
+    p.add_argument(
+        "--fail-on",
+        type=_modes,
+        default=set(),
+        metavar="MODE[,MODE]",
+        help="exit with status 1 when the diagnosis names one of these modes ('any': every mode but "
+        "healthy), after printing it as usual: for CI jobs and schedulers",
+    )
     return p
 
 
@@ -108,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         payload["run_record"] = str(arrays.path)
         payload["report"] = {k: str(v) for k, v in paths.items()}
         print(json.dumps(payload, indent=2))
-        return 0
+        return _status(result, args.fail_on)
     print(f"pace diagnose: {', '.join(s['path'] for s in arrays.segments) or arrays.path}")
     print(
         f"  {arrays.world_size} ranks, {arrays.steps:,} usable steps of {arrays.total_steps:,}, "
@@ -118,6 +142,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if paths:
         beside = "plots and report.md" if set(paths) & set(PLOTS) else "report.md; no plots: see the report"
         print(f"\nreport: {paths['html']}  ({beside} beside it)")
+    return _status(result, args.fail_on)
+
+
+def _status(result: Diagnosis, fail_on: set[str]) -> int:
+    """1 when a finding's mode is one ``--fail-on`` names (said on stderr), else 0."""
+    named = sorted({str(f.mode) for f in result.findings} & fail_on)
+    if named:
+        print(f"pace diagnose: failing (--fail-on): {', '.join(named)}", file=sys.stderr)
+        return 1
     return 0
 
 
