@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "pace_strategy.telemetry.importer",
         "turn a per-rank step table recorded elsewhere into a run record",
     ),
+    "env": ("pace_strategy.apps.environment", "versions, devices, backends and the configuration in force"),
     "convert": (
         "pace_strategy.telemetry.convert",
         "rewrite a run record as JSON lines or with Arrow columns",

@@ -47,6 +47,7 @@ shutil.copytree(sys.argv[2], sys.argv[3] + "/run")
 out["diagnose"] = command("diagnose", sys.argv[3] + "/run")
 out["report"] = open(sys.argv[3] + "/run/pace_report/report.md").read()
 out["simulate"] = command("simulate", sys.argv[4], "nodes=[4]")
+out["env"] = command("env", "--json")
 for name in ("PacedDDPStrategy", "PacingCallback"):
     try:
         getattr(pace_strategy, name)
@@ -75,6 +76,7 @@ def bare(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_the_core_runs_without_any_extra(bare):
     assert bare["diagnose"][0] == 0, bare["diagnose"]
     assert bare["simulate"][0] == 0, bare["simulate"]
+    assert bare["env"][0] == 0, bare["env"]
     assert bare["attach"] == "pace_strategy.integrations.pytorch"
     assert bare["modules"] == []  # nothing optional was half-imported
 
