@@ -86,14 +86,18 @@ def test_forced_pacing_decisions_agree_and_delay_only_leading_ranks():
 def exchange_with_missing_peer(peer_behaviour, timeout_s=1.5):
     """Rank 0 runs two steps and exchanges them; rank 1 never joins (it hangs, or it dies)."""
     cfg = PacingConfig(mode="monitor", exchange_every_steps=2, warmup_steps=0, exchange_timeout_s=timeout_s)
-    released = threading.Event()
+    released, set_up = threading.Event(), threading.Event()
 
     def fn(rank, group):
         pacer = Pacer(cfg, group, rank, 2)
         if rank == 1:
+            # not before rank 0 has its connections: a peer gone while gloo still connects the mesh
+            # fails the set-up, not the exchange under test (seen once under load)
+            set_up.wait(20)
             if peer_behaviour == "hang":
                 released.wait(20)  # alive, connection open, but never enters the exchange
             return peer_behaviour  # "die": returning drops the group and closes its connections
+        set_up.set()
         if peer_behaviour == "die":
             time.sleep(0.5)
         for step in range(2):

@@ -46,7 +46,7 @@ def test_explicit_attach_takes_over_the_automatic_one():
 
 def test_pace_launch_runs_the_bootstrap_only_with_a_pacing_config_section(tmp_path, monkeypatch):
     commands = []
-    monkeypatch.setattr(launch.subprocess, "call", lambda cmd, env: commands.append(cmd) or 0)
+    monkeypatch.setattr(launch, "run_forwarding_signals", lambda cmd, env: commands.append(cmd) or 0)
     plain, paced = tmp_path / "plain.yaml", tmp_path / "paced.yaml"
     plain.write_text("num_processes: 2\n")
     paced.write_text("num_processes: 2\npacing_config: {}\n")
