@@ -59,7 +59,8 @@ def test_paced_ddp_telemetry_names_the_injected_straggler(tmp_path):
     assert proc.returncode == 0, why_failed(stderr, 4000)
     assert scraped.get("pace_steps_total", 0.0) >= 40, scraped  # scraped over HTTP during training
     assert scraped["pace_straggler_rank"] == 1.0 and scraped['pace_lead_ms{rank="1"}'] == 0.0, scraped
-    assert 20.0 < scraped['pace_lead_ms{rank="0"}'] < 60.0, scraped
+    # the lead gauge is one step's (the last of a window): checked below to be a step of this run's
+    # record; the injection's band is the medians' (one step's lead varies with what rank 0 did)
     log_dir = only_version_dir(tmp_path)
     scalars = read_scalars(log_dir)
     charts = check_dashboard(log_dir)  # TensorBoard's Custom Scalars tab: the ranks side by side
@@ -75,6 +76,8 @@ def test_paced_ddp_telemetry_names_the_injected_straggler(tmp_path):
     assert abs(median_skew - 40.0) <= 0.3 * 40.0, median_skew
     # the grad-ready monitor (the default) saw every step's sync point; it does not time buckets
     record = read_run_record(log_dir)
+    lead0 = scraped['pace_lead_ms{rank="0"}']
+    assert lead0 > 0.0 and min(abs(s["ranks"]["lead_ms"][0] - lead0) for s in record.steps) < 0.01, lead0
     assert record.end["status"] == "completed"
     assert [s["step"] for s in record.steps] == list(range(steps))
     assert all(s["valid"] and s["buckets"] == 0 for s in record.steps)
