@@ -26,7 +26,6 @@ from tests.integration.helpers import (
     only_version_dir,
     read_scalars,
 )
-from tests.integration.preloaded import PreloadedJob
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -51,10 +50,8 @@ def run(tmp_path_factory) -> Path:
         "accelerate": [*accelerate, "--main_process_port", str(free_port()), script, str(out), "accelerate"],
         "trainer": [*accelerate, "--main_process_port", str(free_port()), script, str(out), "trainer"],
     }
-    started = {  # the Lightning jobs' first processes forked with Lightning imported (preloaded.py)
-        name: PreloadedJob(command[1:], cwd=out, env=env, merge_stderr=True)
-        if name in ("demo", "lightning")
-        else subprocess.Popen(
+    started = {
+        name: subprocess.Popen(
             command, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         for name, command in commands.items()
