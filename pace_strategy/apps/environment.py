@@ -61,20 +61,19 @@ def _devices() -> dict[str, Any]:
 def _configuration(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     """Every setting -> its value in force here and where it came from."""
     from pace_strategy.core.config import PacingConfig
-    from pace_strategy.integrations.env import config_from_env, env_name
+    from pace_strategy.integrations.env import config_from_env, env_fields, env_name
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         config = config_from_env(environ) or PacingConfig()
     values = config.to_dict()
+    # the variable that set each field (a group's bare switch sets its ``enabled``): the contract's map
+    source = {field: variable for variable, field in env_fields().items() if variable in environ}
     out: dict[str, dict[str, Any]] = {}
     for name in PacingConfig.dotted_fields():
         group, _, leaf = name.rpartition(".")
         value = values[group][leaf] if group else values[name]
-        variable = env_name(name)
-        switch = env_name(group) if group and leaf == "enabled" else None
-        source = next((v for v in (variable, switch) if v and v in environ), None)
-        out[name] = {"value": value, "from": source or "default", "variable": variable}
+        out[name] = {"value": value, "from": source.get(name, "default"), "variable": env_name(name)}
     if caught:
         out["(ignored)"] = {"value": [str(w.message) for w in caught], "from": "environment", "variable": ""}
     return out

@@ -46,6 +46,7 @@ __all__ = [
     "config_from_env",
     "config_to_env",
     "default_run_dir",
+    "env_fields",
     "env_name",
     "logger_record_dir",
     "record_dir",
@@ -69,7 +70,7 @@ def env_name(field: str) -> str:
     return ENV_PREFIX + field.replace(".", "__").upper()
 
 
-def _env_fields() -> dict[str, str]:
+def env_fields() -> dict[str, str]:
     """Every variable the contract reads -> the field it sets (``name`` or ``group.name``)."""
     out = {env_name(name): name for name in PacingConfig.dotted_fields()}
     # a bare switch stands for the group's ``enabled`` (``PACE_REBALANCE=1``)
@@ -126,7 +127,7 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> PacingConfig | 
     what the field allows.
     """
     environ = os.environ if environ is None else environ
-    fields = _env_fields()
+    fields = env_fields()
     names = []
     for k in sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in NON_CONFIG_ENV):
         if k in fields:
@@ -219,11 +220,9 @@ def logger_record_dir(explicit: str | os.PathLike[str] | None, logger: Any | Non
     when the logger keeps no directory of its own (``WandbLogger``, ``MLFlowLogger``: said once, at
     warning level, with the path); no record without a logger (``logger=False``), as the framework
     then writes no files either."""
-    if logger is None:
-        return record_dir(explicit, None)
-    fallback = default_run_dir()
-    found = record_dir(explicit, getattr(logger, "log_dir", None), fallback=fallback)
-    if found == fallback:
+    found = record_dir(explicit, getattr(logger, "log_dir", None))
+    if found is None and logger is not None:
+        found = default_run_dir()
         log.warning(
             "pace_strategy: %s keeps no log directory; the run record goes to %s (run_dir= or "
             "$PACE_RUN_DIR choose another)",

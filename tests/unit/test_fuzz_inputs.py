@@ -25,9 +25,9 @@ from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.integrations.accelerate.launch import prepare_launch
 from pace_strategy.integrations.env import (
     NON_CONFIG_ENV,
-    _env_fields,
     config_from_env,
     config_to_env,
+    env_fields,
     env_name,
 )
 from pace_strategy.settings import build, load_mapping
@@ -377,7 +377,7 @@ _ENV_VALUE = st.one_of(
 @fuzz(200)
 @given(environ=st.dictionaries(_ENV_NAME, _ENV_VALUE, max_size=4))
 def test_pace_environment(environ: dict[str, str]) -> None:
-    config_names = [n for n in environ if n in _env_fields()]  # the others: ignored with a warning
+    config_names = [n for n in environ if n in env_fields()]  # the others: ignored with a warning
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
