@@ -116,6 +116,11 @@ class RankProgress:
         """Whether the rank is inside a step (begun, not ended)."""
         return self.progress % 3 != 0
 
+    @property
+    def at_sync(self) -> bool:
+        """Whether the rank has arrived at its step's sync point (waiting for its peers there)."""
+        return self.progress % 3 == 2
+
 
 @dataclass(frozen=True)
 class HangReport:
@@ -169,9 +174,13 @@ def hang_verdict(
     before; without them such ranks are ``unconfirmed``); behind when its progress is less than the
     furthest live rank's. Only live ranks
     set the front: a rank stopped just after its part of a collective may have written a step end
-    that its peers, still waiting for its last bytes, never reach. Ranks that all stand at the same
-    place with live heartbeats (a pause every rank takes, or a collective stuck in the network)
-    name nobody.
+    that its peers, still waiting for its last bytes, never reach. For the same reason, once a
+    rank's heartbeat stopped, a live rank waiting at its sync point is not named as behind: a
+    collective may complete on some ranks before others (a ring all-reduce delivers the stopped
+    rank's last bytes to one peer and not yet to the next), so one live peer moves on to the next
+    step while another still waits for the frozen rank. Ranks that all stand at the same place
+    with live heartbeats (a pause every rank takes, or a collective stuck in the network) name
+    nobody.
     """
     present = {r: e for r, e in entries.items() if e is not None and 0 <= r < world_size}
     missing = tuple(r for r in range(world_size) if r not in present)
@@ -189,7 +198,11 @@ def hang_verdict(
             ranks=(), behind=(), stale=(), step=step, waited_s=waited_s, unconfirmed=unconfirmed
         )
     stale = tuple(trailing)
-    behind = tuple(r for r, e in sorted(present.items()) if e.progress < front)
+    behind = tuple(
+        r
+        for r, e in sorted(present.items())
+        if e.progress < front and not (stale and r not in stale and e.at_sync)
+    )
     ranks = tuple(sorted(set(behind) | set(stale)))
     return HangReport(ranks=ranks, behind=behind, stale=stale, step=step, waited_s=waited_s)
 

@@ -54,6 +54,17 @@ def test_a_stopped_rank_ahead_of_its_waiting_peers_does_not_make_them_look_behin
     assert report.ranks == (1,) and report.behind == () and report.stale == (1,)
 
 
+def test_a_live_rank_still_waiting_at_its_sync_point_for_a_frozen_one_is_not_named():
+    # rank 1 froze inside step 8's ring all-reduce: rank 2 got its last bytes and began step 9,
+    # rank 0 still waits for them at step 8's sync point (seen on a loaded 2-core machine)
+    entries = {0: _entry(3 * 8 + 2, 30.0), 1: _entry(3 * 8 + 2, 25.0), 2: _entry(3 * 9 + 1, 30.1)}
+    report = hang_verdict(entries, 3, stale_s=1.5, waited_s=4.0, earlier=entries)
+    assert report.ranks == (1,) and 0 not in report.behind and report.stale == (1,)
+    # without a frozen rank, a live rank left behind at its sync point is named (its own network)
+    alive = {**entries, 1: _entry(3 * 9 + 1, 30.0)}
+    assert hang_verdict(alive, 3, 1.5, 4.0).ranks == (0,)
+
+
 def test_a_pause_on_every_rank_names_nobody_and_a_missing_entry_is_named():
     assert hang_verdict({0: _entry(24, 9.0), 1: _entry(24, 9.2)}, 2, 1.5, 3.0).ranks == ()
     missing = {0: _entry(24, 9.0), 1: None}
