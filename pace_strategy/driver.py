@@ -134,7 +134,7 @@ class PacingDriver:
         """The pacing state after ``step`` steps (default :attr:`steps`): plain JSON-able data, the
         same on every rank (a restored one while there is no session; empty before either). Local."""
         if self.session is not None:
-            return self.session.state_dict(self.steps if step is None else step)
+            return self.session.state.state_dict(self.steps if step is None else step)
         restored = self._loaded[0] if self._loaded is not None else None
         return dict(restored) if restored is not None else {}
 
@@ -153,7 +153,7 @@ class PacingDriver:
         if self.session is None:
             self._loaded = (loaded, at, source)
         else:
-            self.session.load_state_dict(loaded, source=source, step=at)
+            self.session.state.load(loaded, source=source, step=at)
 
     def adopt(self, session: PacingSession) -> None:
         """The adapter started ``session`` (adapters that cannot start it at construction): a state
@@ -161,7 +161,7 @@ class PacingDriver:
         self.session = session
         if self._loaded is not None:
             (loaded, step, source), self._loaded = self._loaded, None
-            session.load_state_dict(loaded, source=source, step=step)
+            session.state.load(loaded, source=source, step=step)
 
     # ------------------------------------------------------------------ ending
     def on_detach(self, undo: Callable[[], object]) -> None:

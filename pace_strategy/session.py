@@ -12,13 +12,8 @@ session that saw no training step leaves no file and no directory.
 
 from __future__ import annotations
 
-import atexit
-import functools
-import itertools
 import logging
 import os
-import sys
-import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,33 +21,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pace_strategy.core.clock import Clock, CudaEventClock, clock_for_device
+from pace_strategy.core.clock import Clock
 from pace_strategy.core.comm import gather_json
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PaceHangError
-from pace_strategy.core.evidence import EVIDENCE_DIR
 from pace_strategy.core.exchange import WindowResult
 from pace_strategy.core.gc_monitor import GcMonitor
-from pace_strategy.core.groups import node_leader_exchange, side_group
-from pace_strategy.core.hang_response import HangResponse
+from pace_strategy.core.groups import side_group
+from pace_strategy.core.hang_response import start_watchdog
 from pace_strategy.core.hierarchy import HierarchicalExchange
-from pace_strategy.core.memory import device_memory_probe
 from pace_strategy.core.pacer import Pacer
-from pace_strategy.core.state import StatefulComponent, StateRegistry
-from pace_strategy.core.summary import StepSummarizer, node_transfer
-from pace_strategy.core.watchdog import HangWatchdog, job_store
+from pace_strategy.core.state import StateRegistry
+from pace_strategy.core.summary import node_transfer
+from pace_strategy.shutdown import close_at_exit, no_longer_open
 from pace_strategy.telemetry.record_lines import hang_line
 from pace_strategy.telemetry.run_record import RunRecordWriter
 from pace_strategy.telemetry.sinks import DashboardSink, MetricsSink, Publisher, RecordSink, Sink, node_shard
-from pace_strategy.telemetry.topology import elastic_restart_count, local_placement
+from pace_strategy.telemetry.topology import LoaderWorkers, elastic_restart_count, local_placement
 
 __all__ = ["PacingSession"]
 
 log = logging.getLogger(__name__)
-
-#: numbers this process's sessions in order: every rank builds the same sessions, so the n-th is the
-#: n-th everywhere (the hang watchdog's store namespace)
-_SESSION_NUMBERS = itertools.count()
 
 
 class PacingSession:
@@ -120,36 +109,25 @@ class PacingSession:
         self.world_size = world_size
         self._group = group
         self._owns_group = owns_group and group is not None
-        if clock is None:
-            clock = clock_for_device(device)
-            if isinstance(clock, CudaEventClock) and config.mode != "monitor":
-                clock.calibrate()  # now, on the session's device: not inside the first paced step
-        memory = device_memory_probe(device) if config.rebalance.enabled else None
-        if hierarchy is None and config.exchange_topology == "node_leaders" and group is not None:
-            hierarchy = node_leader_exchange(config, topology, rank, world_size)
-        self.pacer = Pacer(config, group, rank, world_size, clock, memory_probe=memory, hierarchy=hierarchy)
+        self.pacer = Pacer.for_device(config, group, rank, world_size, device, topology, clock, hierarchy)
+        hierarchy = self.pacer.hierarchy
         self.topology = [dict(placement) for placement in topology]
         #: torchrun's restarts of this job so far: the record says so, and a restarted attempt's
         #: record gets its own file beside the earlier ones (``record_filename``)
         self.restart_count = elastic_restart_count()
+        nodes = None if hierarchy is None else hierarchy.layout.nodes
         #: rank 0 with ``log_dir`` and ``run_record``: the run record
-        self.record_sink: RecordSink | None = None
-        if rank == 0 and config.run_record and log_dir is not None:
-            nodes = None if hierarchy is None else hierarchy.layout.nodes
-            self.record_sink = RecordSink.open(
-                config, log_dir, self.topology, framework, self.restart_count, nodes
-            )
-        self.publisher = (
-            Publisher.rank0(
-                config,
-                world_size,
-                record=self.record_sink,
-                metrics=metrics_sink,
-                dashboard=dashboard,
-                more=sinks,
-            )
-            if rank == 0
-            else Publisher([], StepSummarizer(config.cv_window_steps), per_rank=False)
+        self.record_sink = RecordSink.for_rank(
+            rank, config, log_dir, self.topology, framework, self.restart_count, nodes
+        )
+        self.publisher = Publisher.for_rank(
+            rank,
+            config,
+            world_size,
+            record=self.record_sink,
+            metrics=metrics_sink,
+            dashboard=dashboard,
+            more=sinks,
         )
         #: a node leader's shard of the record (its node's ranks), when the record is sharded
         self.shard = node_shard(config, group, rank, world_size, self.record_path, hierarchy)
@@ -159,12 +137,28 @@ class PacingSession:
         self.gc_monitor = GcMonitor(self.pacer.add_gc)
         self.gc_monitor.install()
         self._gc_ranks: list[dict[str, Any]] | None = None  #: every rank's GC report, gathered at finish
-        self.state = StateRegistry(world_size, {"pacer": self.pacer})  #: what a checkpoint holds
-        self._dataloader_workers: int | None = None
-        self._workers_shared = False
-        self.watchdog = self._start_watchdog()
-        _OPEN.add(self)
-        _close_open_sessions_at_exit()
+        #: what a checkpoint holds: ``session.state.register``, ``.state_dict(step)``, ``.load(state)``
+        self.state = StateRegistry(
+            world_size,
+            {"pacer": self.pacer},
+            on_load=None if self.record_sink is None else self.record_sink.resume,
+            announce=rank == 0,
+        )
+        self._loader_workers = LoaderWorkers()
+        self.watchdog = start_watchdog(
+            config.hang,
+            rank=rank,
+            world_size=world_size,
+            topology=self.topology,
+            restart_count=self.restart_count,
+            record_path=self.record_path,
+            line_of=hang_line,
+            report=self.publisher.hang,
+            close_hung=self._close_hung,
+            record_note=self._record_note,
+            progress=lambda: (self.pacer.progress, self.pacer.progress_step),
+        )
+        close_at_exit(self)
 
     @classmethod
     def start(
@@ -214,8 +208,7 @@ class PacingSession:
         """Local: a training DataLoader of this rank runs ``workers`` worker processes. The largest
         count noted before the first step ends is recorded in this rank's placement (the run record's
         header), where ``pace diagnose`` counts busy threads per host."""
-        if workers is not None and not self._workers_shared:
-            self._dataloader_workers = max(self._dataloader_workers or 0, workers)
+        self._loader_workers.note(workers)
 
     def end_step(self) -> WindowResult | None:
         """Forward the end of a step to the pacer and publish any window that completed.
@@ -225,23 +218,15 @@ class PacingSession:
         once the session is closed (a preempted run may still finish the step in progress)."""
         if self._finished:
             return None
-        if not self._workers_shared:
-            self._share_dataloader_workers()
+        if not self._loader_workers.shared:
+            step = self.pacer.steps_seen
+            self._loader_workers.share(lambda t: self.pacer.exchange.gather(t, step, step), self.topology)
+            if self.record is not None:
+                self.record.update_topology(self.topology)
         result = self.pacer.end_step()
         if result is not None:
             self.publish(result)
         return result
-
-    def _share_dataloader_workers(self) -> None:
-        self._workers_shared = True
-        # One float per rank on the exchange's own path (-1: no DataLoader noted on that rank).
-        local = torch.tensor([[float(-1 if self._dataloader_workers is None else self._dataloader_workers)]])
-        step = self.pacer.steps_seen
-        counts = self.pacer.exchange.gather(local.double(), step, step)[:, 0, 0].tolist()
-        for placement, workers in zip(self.topology, counts, strict=True):
-            placement["dataloader_workers"] = None if workers < 0 else int(workers)
-        if self.record is not None:
-            self.record.update_topology(self.topology)
 
     def publish(self, result: WindowResult) -> None:
         """Rank 0: hand the window to the telemetry thread, which logs every step at its own global
@@ -272,7 +257,7 @@ class PacingSession:
                 self.shard.close()
             # Every rank's GC totals for the end line (collective, like the flush before it).
             self._gc_ranks = gather_json(
-                self._group, self.rank, self.world_size, self.gc_report(), self.config.exchange_timeout_s
+                self._group, self.rank, self.world_size, self._gc_report(), self.config.exchange_timeout_s
             )
         except BaseException as error:
             self._close("failed", error)
@@ -284,41 +269,6 @@ class PacingSession:
             dist.destroy_process_group(self._group)
         self._group = None
         return results
-
-    # ------------------------------------------------------------------ checkpoint state
-    def register_state(self, name: str, component: StatefulComponent) -> None:
-        """Checkpoint ``component`` under ``name`` too (:meth:`StateRegistry.register
-        <pace_strategy.core.state.StateRegistry.register>`)."""
-        self.state.register(name, component)
-
-    def state_dict(self, step: int) -> dict[str, Any]:
-        """The checkpointable pacing state after ``step`` global steps: plain JSON-able data, the
-        same on every rank (local: no collective). Layout: :mod:`pace_strategy.core.state`."""
-        return self.state.state_dict(step)
-
-    def load_state_dict(
-        self, state: Mapping[str, Any] | None, *, source: str | None = None, step: int | None = None
-    ) -> list[str]:
-        """Resume: restore what :meth:`state_dict` saved (local: every rank loads the same checkpoint).
-
-        Never fails a resume: a state that cannot be restored (newer version, other world size,
-        damaged) is skipped with a warning and the controller starts fresh; ``None`` (a checkpoint
-        written without pace_strategy) restores nothing. Either way the run record gets a ``resume``
-        line right after its header: ``step`` (the state's, else ``step``), the components
-        ``restored`` and ``from`` (``source``, the checkpoint's path where the adapter knows it).
-        Returns the names restored.
-        """
-        resumed = self.state.load(state, source=source, step=step)
-        if self.record_sink is not None:
-            self.record_sink.resume(resumed)
-        if self.rank == 0:
-            log.info(
-                "pace_strategy: resumed at step %d from %s; restored: %s",
-                resumed.step,
-                source or "a checkpoint",
-                ", ".join(resumed.restored) or "nothing (no pace_strategy state in it)",
-            )
-        return list(resumed.restored)
 
     # ------------------------------------------------------------------ ending a run
     def terminate(self, reason: str = "SIGTERM") -> None:
@@ -379,7 +329,7 @@ class PacingSession:
 
     def _record_note(self, how: str = "kept") -> str:
         """Where the run record is, for a log line (empty without one on disk)."""
-        return f"; run record {how} at {self.record_path}" if self.record_created else ""
+        return "" if self.record_sink is None else self.record_sink.note(how)
 
     def fail(self, error: BaseException) -> None:
         """Training failed on this rank: close the run record without any collective (peers may be gone)."""
@@ -397,28 +347,6 @@ class PacingSession:
             self._record_note(),
         )
 
-    def _start_watchdog(self) -> HangWatchdog | None:
-        """The hang watchdog on the job's store (none for one rank, ``hang.timeout_s=0`` or no store).
-
-        Its keys live under a namespace that every rank computes alike and that no earlier session
-        or attempt of the job used: the restart count and this process's session number."""
-        store = job_store() if self.world_size > 1 and self.config.hang.timeout_s > 0 else None
-        if store is None:
-            return None
-        response = HangResponse(
-            self.config.hang,
-            rank=self.rank,
-            world_size=self.world_size,
-            topology=self.topology,
-            evidence_dir=None if self.record_path is None else self.record_path.parent / EVIDENCE_DIR,
-            line_of=functools.partial(hang_line, topology=self.topology, action=self.config.hang.action),
-            report=self.publisher.hang,
-            close_hung=self._close_hung,
-            record_note=self._record_note,
-        )
-        namespace = f"pace_strategy/watchdog/{self.restart_count}/{next(_SESSION_NUMBERS)}"
-        return response.start(store, namespace, lambda: (self.pacer.progress, self.pacer.progress_step))
-
     def _close_hung(self, error: PaceHangError) -> bool:
         if self._finished:
             return False
@@ -426,14 +354,8 @@ class PacingSession:
         self._close("hung", error)
         return True
 
-    def gc_report(self) -> dict[str, Any]:
-        """This rank's garbage-collector totals since the session started (and what gc_sync did)."""
-        sync = self.pacer.gc_sync
-        return {
-            "rank": self.rank,
-            **self.gc_monitor.summary(),
-            "gc_sync": sync.summary() if sync is not None else None,
-        }
+    def _gc_report(self) -> dict[str, Any]:
+        return self.gc_monitor.report(self.rank, self.pacer.gc_sync)
 
     def _close(
         self,
@@ -444,7 +366,7 @@ class PacingSession:
         local_rows: torch.Tensor | None = None,
         unresolved: int = 0,
     ) -> None:
-        _OPEN.discard(self)
+        no_longer_open(self)
         self.gc_monitor.remove()  # the collector gets its settings back, however the run ends
         if self.pacer.gc_sync is not None:
             self.pacer.gc_sync.restore()
@@ -467,29 +389,6 @@ class PacingSession:
             pacer=self.pacer,
             publisher=self.publisher,
             # one report per rank after a normal finish, else rank 0's alone
-            gc_ranks=self._gc_ranks if self._gc_ranks is not None else [self.gc_report()],
+            gc_ranks=self._gc_ranks if self._gc_ranks is not None else [self._gc_report()],
             unresolved=unresolved,
         )
-
-
-#: Sessions not yet finished or closed, whatever adapter started them: closed at interpreter exit.
-_OPEN: weakref.WeakSet[PacingSession] = weakref.WeakSet()
-
-
-@functools.cache
-def _close_open_sessions_at_exit() -> None:
-    """Register, once per process, the one exit path for runs that end without ``finish``."""
-    atexit.register(_close_open_sessions)
-
-
-def _close_open_sessions() -> None:
-    """At exit, close every open session locally (no collective: the peers may be gone): ``failed``
-    when the script died of an uncaught exception (Python sets ``sys.last_value`` before the exit
-    handlers run), else ``incomplete``. What was exchanged is written; the steps of the last,
-    unexchanged window are lost (a normal end calls ``finish``, which exchanges them)."""
-    error = getattr(sys, "last_value", None)
-    for session in list(_OPEN):
-        if isinstance(error, BaseException):
-            session.fail(error)
-        else:
-            session.close(status="incomplete")

@@ -90,6 +90,11 @@ class GcMonitor:
 
         return hook
 
+    def report(self, rank: int, sync: Any = None) -> dict[str, Any]:
+        """One rank's line of the record's GC totals: :meth:`summary`, and what ``sync`` (the
+        Pacer's :class:`~pace_strategy.core.gc_sync.GcSync`, if any) did."""
+        return {"rank": rank, **self.summary(), "gc_sync": None if sync is None else sync.summary()}
+
     def summary(self) -> dict[str, Any]:
         """Totals since installation: collections and milliseconds per generation, the longest pause."""
         return {

@@ -10,6 +10,8 @@ since a thread cannot raise into a training thread blocked in a C++ collective.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import os
 import sys
@@ -22,17 +24,60 @@ from typing import Any
 from pace_strategy.core.config import HangConfig
 from pace_strategy.core.errors import PaceHangError
 from pace_strategy.core.evidence import (
+    EVIDENCE_DIR,
     flight_recorder_dump,
     kill_frozen_local_ranks,
     python_stacks,
     rank_marks,
     write_evidence,
 )
-from pace_strategy.core.watchdog import HANG_EXIT_CODE, HangReport, HangWatchdog
+from pace_strategy.core.watchdog import HANG_EXIT_CODE, HangReport, HangWatchdog, job_store
 
-__all__ = ["HangResponse", "hold_uncaught_errors"]
+__all__ = ["HangResponse", "hold_uncaught_errors", "start_watchdog"]
 
 log = logging.getLogger(__name__)
+
+#: numbers this process's sessions in order: every rank builds the same sessions, so the n-th is the
+#: n-th everywhere (the hang watchdog's store namespace)
+_SESSION_NUMBERS = itertools.count()
+
+
+def start_watchdog(
+    config: HangConfig,
+    *,
+    rank: int,
+    world_size: int,
+    topology: Sequence[Mapping[str, Any]],
+    restart_count: int,
+    record_path: Path | None,
+    line_of: Callable[..., dict[str, Any]],
+    report: Callable[[Mapping[str, Any]], None],
+    close_hung: Callable[[PaceHangError], bool],
+    record_note: Callable[[], str],
+    progress: Callable[[], tuple[int, int]],
+) -> HangWatchdog | None:
+    """A session's hang watchdog on the job's store, with its response (none for one rank,
+    ``hang.timeout_s=0`` or no store). ``line_of(report, topology=, action=)`` is the run record's
+    hang line; the other arguments are :class:`HangResponse`'s and :class:`HangWatchdog`'s.
+
+    Its keys live under a namespace that every rank computes alike and that no earlier session or
+    attempt of the job used: the restart count and this process's session number."""
+    store = job_store() if world_size > 1 and config.timeout_s > 0 else None
+    if store is None:
+        return None
+    response = HangResponse(
+        config,
+        rank=rank,
+        world_size=world_size,
+        topology=topology,
+        evidence_dir=None if record_path is None else record_path.parent / EVIDENCE_DIR,
+        line_of=functools.partial(line_of, topology=topology, action=config.action),
+        report=report,
+        close_hung=close_hung,
+        record_note=record_note,
+    )
+    namespace = f"pace_strategy/watchdog/{restart_count}/{next(_SESSION_NUMBERS)}"
+    return response.start(store, namespace, progress)
 
 
 def hold_uncaught_errors(seconds: float) -> None:

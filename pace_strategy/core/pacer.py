@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +129,34 @@ class Pacer:
             through it instead of ``group``, and only node leaders decide
             (:mod:`pace_strategy.core.hierarchy`); ``group`` still serves the session's gathers.
     """
+
+    @classmethod
+    def for_device(
+        cls,
+        config: PacingConfig,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        topology: Sequence[Mapping[str, Any]],
+        clock: Clock | None = None,
+        hierarchy: HierarchicalExchange | None = None,
+    ) -> Pacer:
+        """A session's Pacer on ``device``: its clock (calibrated now, outside the first paced step,
+        unless only monitoring), its memory probe where rebalancing reads one, and the node-leader
+        exchange built from every rank's placement in ``topology`` when ``exchange_topology`` asks."""
+        from pace_strategy.core.clock import CudaEventClock, clock_for_device
+        from pace_strategy.core.groups import node_leader_exchange
+        from pace_strategy.core.memory import device_memory_probe
+
+        if clock is None:
+            clock = clock_for_device(device)
+            if isinstance(clock, CudaEventClock) and config.mode != "monitor":
+                clock.calibrate()
+        memory = device_memory_probe(device) if config.rebalance.enabled else None
+        if hierarchy is None and config.exchange_topology == "node_leaders" and group is not None:
+            hierarchy = node_leader_exchange(config, topology, rank, world_size)
+        return cls(config, group, rank, world_size, clock, memory_probe=memory, hierarchy=hierarchy)
 
     def __init__(
         self,

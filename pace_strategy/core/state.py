@@ -23,7 +23,7 @@ the same gathered data; a restore therefore needs no collective.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -105,8 +105,19 @@ class Resumed:
 class StateRegistry:
     """The named components a session checkpoints, in the envelope above (local: no collective)."""
 
-    def __init__(self, world_size: int, components: Mapping[str, StatefulComponent]) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        components: Mapping[str, StatefulComponent],
+        *,
+        on_load: Callable[[Resumed], None] | None = None,
+        announce: bool = False,
+    ) -> None:
+        """``on_load``: told of every restore (the run record's ``resume`` line); ``announce``: log
+        what each restore did (one rank does)."""
         self.world_size = world_size
+        self._on_load = on_load
+        self._announce = announce
         self._components = dict(components)
         self._unclaimed: dict[str, Any] = {}  # restored states whose component is not registered yet
         self.resumed: Resumed | None = None  #: the last restore, once there was one
@@ -129,10 +140,17 @@ class StateRegistry:
             "components": {name: c.state_dict() for name, c in self._components.items()},
         }
 
-    def load(self, state: Mapping[str, Any] | None, *, source: str | None, step: int | None) -> Resumed:
-        """Restore what :meth:`state_dict` saved. Never fails: a state that cannot be restored (newer
-        version, damaged) is skipped with a warning, and ``None`` (a checkpoint written without
-        pace_strategy) restores nothing. The step is the state's, else ``step`` (else -1)."""
+    def load(
+        self, state: Mapping[str, Any] | None, *, source: str | None = None, step: int | None = None
+    ) -> Resumed:
+        """Resume: restore what :meth:`state_dict` saved (local: every rank loads the same checkpoint).
+
+        Never fails a resume: a state that cannot be restored (newer version, other world size,
+        damaged) is skipped with a warning and the controller starts fresh; ``None`` (a checkpoint
+        written without pace_strategy) restores nothing. Either way ``on_load`` is told (the run
+        record gets a ``resume`` line right after its header): the step (the state's, else
+        ``step``, else -1), the components restored, ``source`` (the checkpoint's path where the
+        adapter knows it)."""
         saved_step = state.get("step") if isinstance(state, Mapping) else None
         self.resumed = Resumed(
             saved_step if type(saved_step) is int else (-1 if step is None else step), source
@@ -149,6 +167,15 @@ class StateRegistry:
                     self._load(name, component_state)
                 else:
                     self._unclaimed[name] = component_state
+        if self._on_load is not None:
+            self._on_load(self.resumed)
+        if self._announce:
+            log.info(
+                "pace_strategy: resumed at step %d from %s; restored: %s",
+                self.resumed.step,
+                source or "a checkpoint",
+                ", ".join(self.resumed.restored) or "nothing (no pace_strategy state in it)",
+            )
         return self.resumed
 
     def _load(self, name: str, state: Any) -> None:

@@ -248,7 +248,7 @@ class StrategyPacing(PacingDriver):
             attach_paced_ddp(model, session.pacer, inner_hook, user_hook.state)
             if self.config.splits_batches:
                 self.rebalance = self._data_rebalance(session)
-                session.register_state(STATE_NAME, self.rebalance)
+                session.state.register(STATE_NAME, self.rebalance)
         elif inner_hook is not None:
             model.register_comm_hook(state=user_hook.state, hook=inner_hook)
 

@@ -92,7 +92,7 @@ def data_rebalance(
         micro_batches=micro_batches,
         balance=session.config.balance,
     )
-    session.register_state(STATE_NAME, rebalance)
+    session.state.register(STATE_NAME, rebalance)
     driver.on_detach(rebalance.stop)
     driver.rebalance = rebalance
     return rebalance

@@ -101,7 +101,7 @@ class FabricPacing(PacingDriver):
         attach_paced_ddp(model, session.pacer)
         if self.rebalance is not None:  # its loader was set up before the model
             self.rebalance.attach(session.pacer)
-            session.register_state(STATE_NAME, self.rebalance)
+            session.state.register(STATE_NAME, self.rebalance)
         model.register_forward_pre_hook(self._forward, with_kwargs=True)
         if rank == 0:
             log.info("pace_strategy: %s mode, run record %s", self.config.mode, session.record_path or "off")
@@ -153,7 +153,7 @@ class FabricPacing(PacingDriver):
                 balance=self.config.balance,
             )
             if self.session is not None:
-                self.session.register_state(STATE_NAME, self.rebalance)
+                self.session.state.register(STATE_NAME, self.rebalance)
         replaced = self.rebalance.replace(dataloader)
         assert isinstance(replaced, DataLoader)
         return replaced

@@ -106,18 +106,22 @@ class RecordSink:
         self._resume_line: ResumeLine | None = None
 
     @classmethod
-    def open(
+    def for_rank(
         cls,
+        rank: int,
         config: PacingConfig,
-        log_dir: str | os.PathLike[str],
+        log_dir: str | os.PathLike[str] | None,
         topology: Sequence[Mapping[str, Any]],
         framework: str,
         restart_count: int,
         nodes: Sequence[Sequence[int]] | None,
-    ) -> RecordSink:
-        """Rank 0's record in ``log_dir`` (created at its first write). ``nodes``: the node leaders'
-        layout where they exchange; with ``record_format: arrow`` each leader then writes its node's
-        per-rank columns (a shard), else rank 0 writes them beside the record."""
+    ) -> RecordSink | None:
+        """Rank 0's record in ``log_dir`` (created at its first write; none on other ranks, without a
+        directory or with ``run_record`` off). ``nodes``: the node leaders' layout where they
+        exchange; with ``record_format: arrow`` each leader then writes its node's per-rank columns
+        (a shard), else rank 0 writes them beside the record."""
+        if rank != 0 or not config.run_record or log_dir is None:
+            return None
         path = Path(log_dir) / record_filename(restart_count)
         columns = None
         shards = None
@@ -142,6 +146,10 @@ class RecordSink:
             shards=shards,
         )
         return cls(record)
+
+    def note(self, how: str = "kept") -> str:
+        """Where the record is, for a log line (empty while it is not on disk)."""
+        return f"; run record {how} at {self.record.path}" if self.record.created else ""
 
     def resume(self, resumed: Resumed) -> None:
         """A restore happened: the record's ``resume`` line, right after its header (the step resumed
@@ -258,8 +266,9 @@ class Publisher:
         self.publish_ns = 0  #: telemetry-thread time spent in the sinks (and summarizing), ns
 
     @classmethod
-    def rank0(
+    def for_rank(
         cls,
+        rank: int,
         config: PacingConfig,
         world_size: int,
         *,
@@ -269,8 +278,10 @@ class Publisher:
         more: Sequence[Sink] = (),
     ) -> Publisher:
         """Rank 0's sinks in the order they are written (tags, run record, the Prometheus endpoint of
-        ``config.metrics_port``, ``more``) and their thread. The endpoint is started here: a port that
-        cannot be bound fails at start."""
+        ``config.metrics_port``, ``more``) and their thread; on other ranks none. The endpoint is
+        started here: a port that cannot be bound fails at start."""
+        if rank != 0:
+            return cls([], StepSummarizer(config.cv_window_steps), per_rank=False)
         sinks: list[Sink] = []
         if metrics is not None or dashboard is not None:
             limit, shares = config.per_rank_tag_limit, config.rebalance.enabled

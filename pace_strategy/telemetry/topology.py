@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # only a rank that is training places itself; readers of the 
 __all__ = [
     "MESH_DIMS",
     "MESH_KEYS",
+    "LoaderWorkers",
     "RankPlacement",
     "cpu_ranges",
     "elastic_restart_count",
@@ -244,3 +245,34 @@ def local_placement(
         pid_start=process_start(os.getpid()),
         **dict(coordinates or {}),
     )
+
+
+class LoaderWorkers:
+    """The worker processes of this rank's training DataLoaders, noted locally and shared once.
+
+    Adapters learn of their loaders after the session starts; the largest count noted before the
+    first step ends goes into every rank's placement (the run record's header), where ``pace
+    diagnose`` counts busy threads per host."""
+
+    def __init__(self) -> None:
+        self.count: int | None = None  #: the largest count noted (``None``: no DataLoader noted)
+        self.shared = False
+
+    def note(self, workers: int | None) -> None:
+        """Local: a training DataLoader of this rank runs ``workers`` worker processes."""
+        if workers is not None and not self.shared:
+            self.count = max(self.count or 0, workers)
+
+    def share(
+        self, gather: Callable[[torch.Tensor], torch.Tensor], topology: Sequence[dict[str, Any]]
+    ) -> None:
+        """Collective: every rank's count into ``topology``'s placements. ``gather`` takes this rank's
+        ``(1, 1)`` float64 tensor and returns the ``(world, 1, 1)`` of every rank (the exchange's own
+        path: no collective of its own)."""
+        import torch
+
+        self.shared = True
+        local = torch.tensor([[float(-1 if self.count is None else self.count)]], dtype=torch.float64)
+        counts = gather(local)[:, 0, 0].tolist()
+        for placement, workers in zip(topology, counts, strict=True):
+            placement["dataloader_workers"] = None if workers < 0 else int(workers)

@@ -69,7 +69,7 @@ class DumpRestored(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         strategy: Any = trainer.strategy
         session = strategy.pacing_session
-        state = None if session is None else session.state_dict(trainer.global_step)
+        state = None if session is None else session.state.state_dict(trainer.global_step)
         path = self.root / f"restored_rank_{trainer.global_rank}.json"
         path.write_text(json.dumps({"global_step": trainer.global_step, "state": state}))
 

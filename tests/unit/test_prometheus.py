@@ -86,7 +86,7 @@ def test_the_endpoint_binds_the_configured_host_only():
     from pace_strategy.core.config import PacingConfig
     from pace_strategy.telemetry.sinks import Publisher
 
-    publisher = Publisher.rank0(PacingConfig(metrics_port=free_port(), metrics_host="127.0.0.1"), 2)
+    publisher = Publisher.for_rank(0, PacingConfig(metrics_port=free_port(), metrics_host="127.0.0.1"), 2)
     (endpoint,) = [s for s in publisher.sinks if isinstance(s, MetricsEndpoint)]
     try:
         assert endpoint._server.server_address[0] == "127.0.0.1"

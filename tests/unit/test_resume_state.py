@@ -80,13 +80,13 @@ def _session(tmp_path, **config) -> PacingSession:
 def test_a_restored_session_continues_the_windows_and_its_record_begins_with_a_resume_line(tmp_path):
     first = _session(tmp_path / "a")
     _train(first, 12)
-    saved = json.loads(json.dumps(first.state_dict(12)))
+    saved = json.loads(json.dumps(first.state.state_dict(12)))
     first.finish()
     assert saved["step"] == 12 and saved["components"]["pacer"]["window"] == 2
 
     second = _session(tmp_path / "b")
-    assert second.load_state_dict(saved, source="ckpt/step=12.ckpt") == ["pacer"]
-    assert second.state_dict(12) == saved
+    assert second.state.load(saved, source="ckpt/step=12.ckpt").restored == ["pacer"]
+    assert second.state.state_dict(12) == saved
     assert not (tmp_path / "b").exists()  # still nothing written before the first window
     _train(second, 8)
     second.finish()
@@ -105,12 +105,12 @@ def test_a_restored_session_continues_the_windows_and_its_record_begins_with_a_r
 def test_no_state_or_a_newer_one_still_resumes_and_says_what_was_restored(tmp_path, caplog):
     session = _session(tmp_path)
     with caplog.at_level(logging.INFO, logger="pace_strategy"):
-        assert session.load_state_dict(None, source="plain.ckpt", step=7) == []
+        assert session.state.load(None, source="plain.ckpt", step=7).restored == []
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert "restored: nothing" in caplog.text
     newer = {"version": STATE_VERSION + 1, "step": 7, "components": {}}
     with caplog.at_level(logging.WARNING, logger="pace_strategy"):
-        assert session.load_state_dict(newer, source="new.ckpt") == []
+        assert session.state.load(newer, source="new.ckpt").restored == []
     assert "Upgrade pace_strategy" in caplog.text
     _train(session, 4)
     session.finish()
@@ -137,13 +137,11 @@ def test_a_component_registered_after_the_restore_gets_its_state(tmp_path):
         "components": {"rebalance": {"version": 1, "shares": [0.6, 0.4]}},
     }
     session = _session(tmp_path)
-    assert session.load_state_dict(saved) == []
+    assert session.state.load(saved).restored == []
     shares = Shares()
-    session.register_state("rebalance", shares)
-    assert shares.value == [0.6, 0.4] and session.state_dict(3)["components"]["rebalance"]["shares"] == [
-        0.6,
-        0.4,
-    ]
+    session.state.register("rebalance", shares)
+    assert shares.value == [0.6, 0.4]
+    assert session.state.state_dict(3)["components"]["rebalance"]["shares"] == [0.6, 0.4]
     session.close()
 
 
