@@ -20,6 +20,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from pace_strategy.core.config import PacingConfig
+    from pace_strategy.core.skew import WindowStats
 
 __all__ = ["RunResult", "WindowDraws", "run_steps"]
 
@@ -73,6 +74,34 @@ def _spin_extra(ready: np.ndarray, arrival: np.ndarray, gpus_per_node: int, cont
     return out
 
 
+def _window_stats(
+    window: int,
+    index: np.ndarray,
+    keep: np.ndarray,
+    compute: np.ndarray,
+    wait: np.ndarray,
+    delays: np.ndarray,
+    step: np.ndarray,
+) -> WindowStats:
+    """The controller's view of one simulated window: the gathered ``[ranks, steps, NUM_FIELDS]``
+    rows a real exchange would give (``compute``, ``wait``: ``[steps, ranks]`` ms), as statistics."""
+    import torch
+
+    from pace_strategy.core.records import NUM_FIELDS, Field
+    from pace_strategy.core.skew import window_stats
+
+    k, ranks = compute.shape
+    g = torch.zeros(ranks, k, NUM_FIELDS, dtype=torch.float64)
+    g[:, :, Field.STEP] = torch.from_numpy(index.astype(np.float64))
+    g[:, :, Field.VALID] = 1.0
+    g[:, :, Field.WARMUP] = torch.from_numpy((~keep).astype(np.float64))
+    g[:, :, Field.COMPUTE_MS] = torch.from_numpy(compute.T.copy())
+    g[:, :, Field.WAIT_MS] = torch.from_numpy(wait.T.copy())
+    g[:, :, Field.DELAY_MS] = torch.from_numpy(np.repeat(delays[:, None], k, axis=1))
+    g[:, :, Field.STEP_MS] = torch.from_numpy(np.repeat(step[None, :], ranks, axis=0))
+    return window_stats(window, g)
+
+
 def run_steps(
     draw: Callable[[int, int], WindowDraws],
     *,
@@ -94,11 +123,7 @@ def run_steps(
     k_window = window_steps
     policy = None
     if pacing is not None:  # torch only for the controller: an unpaced run is NumPy alone
-        import torch
-
         from pace_strategy.core.policy import PacingPolicy
-        from pace_strategy.core.records import NUM_FIELDS, Field
-        from pace_strategy.core.skew import window_stats
 
         policy = PacingPolicy(pacing, ranks)
     delays = np.zeros(ranks)
@@ -131,15 +156,7 @@ def run_steps(
         active.append(np.full(int(keep.sum()), bool((delays > 0).any())))
         delay_max.append(np.full(int(keep.sum()), float(delays.max())))
         if policy is not None:
-            g = torch.zeros(ranks, k, NUM_FIELDS, dtype=torch.float64)
-            g[:, :, Field.STEP] = torch.from_numpy(index.astype(np.float64))
-            g[:, :, Field.VALID] = 1.0
-            g[:, :, Field.WARMUP] = torch.from_numpy((~keep).astype(np.float64))
-            g[:, :, Field.COMPUTE_MS] = torch.from_numpy((ready + tail).T.copy())
-            g[:, :, Field.WAIT_MS] = torch.from_numpy(wait.T.copy())
-            g[:, :, Field.DELAY_MS] = torch.from_numpy(np.repeat(delays[:, None], k, axis=1))
-            g[:, :, Field.STEP_MS] = torch.from_numpy(np.repeat(step[None, :], ranks, axis=0))
-            decision = policy.update(window_stats(window, g))
+            decision = policy.update(_window_stats(window, index, keep, ready + tail, wait, delays, step))
             delays = np.asarray(decision.delays_ms, dtype=np.float64)
             reason = f"{decision.state.value}: {decision.reason}"
         done += k

@@ -33,7 +33,7 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -709,14 +709,6 @@ def _trace_steps(path: Path, trace: dict[str, Any]) -> dict[int, dict[str, float
         )
     spans.sort()
     starts = [s[0] for s in spans]
-    launch = {
-        e["args"]["correlation"]: float(e["ts"])
-        for e in events
-        if e.get("cat") in ("cuda_runtime", "cuda_driver")
-        and isinstance(e.get("args"), dict)
-        and "correlation" in e["args"]
-    }
-    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
 
     def step_of(ts: float) -> int | None:
         i = bisect.bisect_right(starts, ts) - 1
@@ -742,22 +734,44 @@ def _trace_steps(path: Path, trace: dict[str, Any]) -> dict[int, dict[str, float
         elif name.startswith(_OPTIMIZER):
             cell["opt_ms"] += (end - ts) / 1000.0
             cell["opt_at"] = ts if cell["opt_at"] is None else min(cell["opt_at"], ts)
-    if kernels:
-        for cell in out.values():  # the device's view replaces the host's
-            cell.pop("arrival", None)
-            cell.pop("sync_end", None)
-        for e in kernels:
-            ts, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
-            at = launch.get((e.get("args") or {}).get("correlation"), ts)
-            i = step_of(at)
-            if i is None:
-                continue
-            cell = out[by_index[i]]
-            cell["device_start"] = min(cell.get("device_start", ts), ts)
-            if _COLLECTIVE.search(str(e.get("name", ""))):
-                cell["sync_end"] = max(cell.get("sync_end", end), end)
-            elif cell["opt_at"] is None or at < cell["opt_at"]:
-                cell["arrival"] = max(cell.get("arrival", end), end)
+    _device_view(events, out, lambda at: None if (i := step_of(at)) is None else by_index[i])
+    return _step_times(path, out)
+
+
+def _device_view(
+    events: list[dict[str, Any]], cells: dict[int, dict[str, Any]], step_at: Callable[[float], int | None]
+) -> None:
+    """GPU traces: each kernel counted in the step ``step_at`` its CPU launch (by correlation id);
+    the device's arrival and completion replace the host's in every step's ``cells``."""
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not kernels:
+        return
+    for cell in cells.values():
+        cell.pop("arrival", None)
+        cell.pop("sync_end", None)
+    launch = {
+        e["args"]["correlation"]: float(e["ts"])
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and isinstance(e.get("args"), dict)
+        and "correlation" in e["args"]
+    }
+    for e in kernels:
+        ts, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+        at = launch.get((e.get("args") or {}).get("correlation"), ts)
+        step = step_at(at)
+        if step is None:
+            continue
+        cell = cells[step]
+        cell["device_start"] = min(cell.get("device_start", ts), ts)
+        if _COLLECTIVE.search(str(e.get("name", ""))):
+            cell["sync_end"] = max(cell.get("sync_end", end), end)
+        elif cell["opt_at"] is None or at < cell["opt_at"]:
+            cell["arrival"] = max(cell.get("arrival", end), end)
+
+
+def _step_times(path: Path, out: dict[int, dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Each step's times (ms) from its marks; a step without arrival or completion is left out."""
     steps = {}
     for n, cell in out.items():
         if "arrival" not in cell or "sync_end" not in cell:

@@ -1,6 +1,7 @@
-"""The package's import graph has no cycle, between modules or between subpackages (``core``,
+"""The package's shape: no import cycle, between modules or between subpackages (``core``,
 ``sim``, ``diagnose``, ``integrations``, ...): every import counts, also those inside functions and
-under ``TYPE_CHECKING``, since a cycle there is a cycle in the design."""
+under ``TYPE_CHECKING``, since a cycle there is a cycle in the design; no function over 80 lines;
+the session module under 400."""
 
 from __future__ import annotations
 
@@ -105,3 +106,21 @@ def test_no_subpackage_imports_itself_through_others():
 def test_the_cycle_finder_finds_cycles():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_function_is_longer_than_80_lines():
+    """A function that outgrows a screen is split by what its parts do (docstring included)."""
+    long = [
+        f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})"
+        for path in _modules().values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > 80
+    ]
+    assert long == []
+
+
+def test_the_session_stays_a_lifecycle_not_a_home_for_every_job():
+    # sinks, process groups, the hang response, checkpoint state and the exit path live in their modules
+    assert len((ROOT / "session.py").read_text().splitlines()) < 400

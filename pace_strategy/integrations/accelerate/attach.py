@@ -154,11 +154,10 @@ def attach_pacing(
     """Monitor and pace ``model``, the DDP or FSDP2 model ``accelerator.prepare(...)`` returned.
 
     Call it after ``prepare`` on every rank (collective: it starts the session). End with
-    ``handle.finish()`` on every rank, or the handle as a context manager, or just
-    ``accelerator.end_training()`` (it finishes the handle first). Attaching to a model that is
-    already attached raises; ``detach()`` first. Under ``pace launch`` the model is attached right
-    after ``prepare`` (zero-code pacing); this call then returns that handle, or, given any argument
-    below, replaces it.
+    ``handle.finish()`` on every rank, the handle as a context manager, or ``accelerator.end_training()``
+    (it finishes the handle first). Attaching an attached model raises; ``detach()`` first. Under
+    ``pace launch`` the model is attached right after ``prepare`` (zero-code pacing); this call then
+    returns that handle, or, given any argument below, replaces it.
 
     Args:
         pacing: the pacing configuration: a :class:`~pace_strategy.PacingConfig` or a mapping of its
@@ -179,16 +178,10 @@ def attach_pacing(
         dashboard: rank 0: receives the TensorBoard custom-scalars layout of the tags once (default:
             ``add_custom_scalars`` of the accelerator's TensorBoard trackers).
     """
-    if (
-        taken := _attached_before(model, (pacing, optimizer, dataloaders, run_dir, metrics_sink))
-    ) is not None:
+    taken = _attached_before(model, (pacing, optimizer, dataloaders, run_dir, metrics_sink))
+    if taken is not None:
         return taken
-    if pacing is None:
-        config = config_from_env() or PacingConfig()
-    else:
-        config = as_pacing_config(pacing)
-        if any(k.startswith(ENV_PREFIX) and k not in NON_CONFIG_ENV for k in os.environ):
-            log.info("pace_strategy: attach_pacing(pacing=...) given; PACE_* config variables are ignored")
+    config = _config_of(pacing)
     # accelerate wraps no model in DDP on one process: nothing to hook, whatever run_dir says
     if runs_alone(
         accelerator.num_processes, run_dir, record_alone=False, runs_as="attach_pacing does nothing"
@@ -226,6 +219,15 @@ def attach_pacing(
     _handle_sigterm(handle, session)
     _finish_before_end_training(handle, accelerator)
     return handle
+
+
+def _config_of(pacing: PacingArg) -> PacingConfig:
+    """The configuration ``attach_pacing`` was given, else the ``PACE_*`` variables', else the defaults."""
+    if pacing is None:
+        return config_from_env() or PacingConfig()
+    if any(k.startswith(ENV_PREFIX) and k not in NON_CONFIG_ENV for k in os.environ):
+        log.info("pace_strategy: attach_pacing(pacing=...) given; PACE_* config variables are ignored")
+    return as_pacing_config(pacing)
 
 
 def _finish_before_end_training(handle: PacingHandle, accelerator: Any) -> None:
