@@ -64,8 +64,17 @@ def pace_model(
         rebalance = driver.rebalance
         assert isinstance(rebalance, DataRebalance)
         undo(attach_paced_ddp(model, session.pacer, share_scaled_allreduce, rebalance).remove)
+        rebalance.rescale_accumulated = functools.partial(_scale_gradients, model)
+        undo(functools.partial(setattr, rebalance, "rescale_accumulated", None))
     else:
         undo(attach_paced_ddp(model, session.pacer).remove)
+
+
+def _scale_gradients(model: Any, factor: float) -> None:
+    """Multiply every gradient ``model`` holds by ``factor`` (one fused pass per device and dtype)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)
 
 
 def data_rebalance(

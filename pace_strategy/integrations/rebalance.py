@@ -100,8 +100,10 @@ def share_scaled_allreduce(state: "DataRebalance", bucket: dist.GradBucket) -> t
 
     For Accelerate, whose ``accelerator.backward`` has no hook for the loss: scaling the gradient
     before DDP averages it is the same update as scaling the loss (up to rounding). With gradient
-    accumulation it scales the accumulated gradient once, at the synchronizing micro-batch, which is
-    exact because every micro-batch of a step has that step's shares."""
+    accumulation it scales the accumulated gradient once, at the synchronizing micro-batch: exact
+    where every micro-batch of a step has the step's shares (rebalancing); where their counts differ
+    (cost-balanced batches), :meth:`DataRebalance.begin_batch` first brings the gradient accumulated
+    so far to the new micro-batch's factor (``rescale_accumulated``)."""
     state.check_taken()
     if state.loss_scale != 1.0:
         bucket.buffer().mul_(state.loss_scale)
@@ -157,6 +159,9 @@ class DataRebalance:
         self.schedule: ShareSchedule | None = None  #: set by the first :meth:`replace`
         self.sampler: ShareBatchSampler | None = None  #: the training loader's batch sampler
         self.loss_scale = 1.0  #: the factor of the batch in training (:func:`share_loss_scale`)
+        #: the comm-hook path (:func:`share_scaled_allreduce`): multiplies the gradient accumulated so
+        #: far in this step by a ratio of factors; ``None`` where the loss itself is scaled
+        self.rescale_accumulated: Callable[[float], None] | None = None
         self._step_samples = 0
         self._step_batches = 0
         self._lookahead = 0
@@ -297,7 +302,13 @@ class DataRebalance:
                 "Accelerate, the Accelerator's gradient_accumulation_steps (or "
                 "attach_pacing(rebalance_loop=RebalanceLoop(micro_batches=...)))."
             )
-        self.loss_scale = built.loss_scale
+        scale = built.loss_scale
+        if self._step_batches > 1 and scale != self.loss_scale and self.rescale_accumulated is not None:
+            # The hook applies the last micro-batch's factor to the whole accumulated gradient. Kept
+            # as (accumulated x factor = the factor-weighted sum so far), the earlier micro-batches
+            # get their own factors: one pass over the gradients per micro-batch whose factor changes.
+            self.rescale_accumulated(self.loss_scale / scale)
+        self.loss_scale = scale
         self._step_samples += built.samples
         if self.pacer is not None:
             self.pacer.set_samples(self._step_samples)

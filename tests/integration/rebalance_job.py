@@ -10,8 +10,12 @@ the test's entries apply), checkpointed mid-epoch, (2) resumed from that checkpo
 once more in ``accelerator.accumulate`` (2 micro-batches per step, its own schedule); under the
 Trainer, a tiny GPT-2 built from a config trained twice with gradient accumulation 2, its loss
 normalized over the global batch by the Trainer ("trainer") and, with ``accepts_loss_kwargs =
-False``, each rank's own mean ("trainer_mean"). Each rank writes the dataset indices of every batch
-it trained and rank 0 the final weights, under OUT.
+False``, each rank's own mean ("trainer_mean"). Cost-balanced batches (``balance``, rebalancing off)
+in each: a Lightning fit ("balanced"), a Fabric loop ("fabric_balanced"), an Accelerate loop with 2
+micro-batches per step ("accelerate_balanced") and a Trainer run ("trainer_balanced"), on datasets
+whose ``lengths`` attribute gives every sample a different length (the model itself sees fixed-size
+inputs: these runs check the split and the math, not the speed). Each rank writes the dataset
+indices of every batch it trained and rank 0 the final weights, under OUT.
 """
 
 from __future__ import annotations
@@ -43,12 +47,23 @@ ENTRIES = ((3, (12, 4)), (9, (3, 13)))
 SAVE_AT = 5
 #: rebalancing on, its own decision held off (only the fixed entries apply)
 PACING = {"rebalance": {"enabled": True, "persist_windows": 10_000}, "exchange_every_steps": 4}
+#: cost-balanced batches alone (padded: the split gives the ranks unequal counts)
+BALANCE = {"balance": {"enabled": True, "layout": "padded"}, "exchange_every_steps": 4}
 
 
-def dataset() -> TensorDataset:
+def lengths(samples: int) -> list[int]:
+    """Every sample a different length, 16-511 tokens, long and short mixed (distinct lengths: the
+    split of a global batch does not depend on the order its samples were drawn in)."""
+    return [16 + (37 * i) % 496 for i in range(samples)]
+
+
+def dataset(with_lengths: bool = False) -> TensorDataset:
     g = torch.Generator().manual_seed(11)
     x = torch.randn(SAMPLES, 6, generator=g)
-    return TensorDataset(x, torch.randint(0, 3, (SAMPLES,), generator=g), torch.arange(SAMPLES))
+    data = TensorDataset(x, torch.randint(0, 3, (SAMPLES,), generator=g), torch.arange(SAMPLES))
+    if with_lengths:
+        data.lengths = lengths(SAMPLES)  # type: ignore[attr-defined]
+    return data
 
 
 def net() -> nn.Module:
@@ -98,6 +113,8 @@ def fit(name: str, out: Path) -> None:
             callbacks.append(FixedShares(checkpoint))
     elif name == "paced":
         strategy = PacedDDPStrategy(pacing={"rebalance": False, "exchange_every_steps": 4})
+    elif name == "balanced":
+        strategy = PacedDDPStrategy(pacing=BALANCE)
     else:
         strategy = "ddp"
     L.seed_everything(3, verbose=False)
@@ -115,7 +132,8 @@ def fit(name: str, out: Path) -> None:
     )
     module = Module()
     resume = checkpoint if name == "resumed" else None
-    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH, shuffle=True), ckpt_path=resume)
+    data = dataset(with_lengths=name == "balanced")
+    trainer.fit(module, DataLoader(data, batch_size=BATCH, shuffle=True), ckpt_path=resume)
     rank = trainer.global_rank
     (out / f"{name}_rank{rank}.json").write_text(json.dumps(module.trained))
     if rank == 0:
@@ -143,27 +161,28 @@ def train_loop(
     return trained
 
 
-def fabric_fit(out: Path) -> None:
+def fabric_fit(out: Path, balanced: bool = False) -> None:
     from lightning.fabric import Fabric
 
     from pace_strategy.integrations.fabric import PacedFabricDDPStrategy, finish_pacing
 
-    strategy = PacedFabricDDPStrategy(pacing=PACING)
+    name = "fabric_balanced" if balanced else "fabric"
+    strategy = PacedFabricDDPStrategy(pacing=BALANCE if balanced else PACING)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(3, verbose=False)
     model = net()
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=LR))
-    loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=BATCH, shuffle=True))
+    loader = fabric.setup_dataloaders(DataLoader(dataset(balanced), batch_size=BATCH, shuffle=True))
     rebalance = strategy.pacing.rebalance
     assert rebalance is not None and rebalance.schedule is not None, "rebalancing is not attached"
-    for from_step, shares in ENTRIES:
+    for from_step, shares in () if balanced else ENTRIES:
         rebalance.schedule.add(from_step, shares, "test")
     trained = train_loop(loader, model, optimizer, fabric.backward)
     finish_pacing(fabric)
-    (out / f"fabric_rank{fabric.global_rank}.json").write_text(json.dumps(trained))
+    (out / f"{name}_rank{fabric.global_rank}.json").write_text(json.dumps(trained))
     if fabric.global_rank == 0:
-        torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, out / "fabric.pt")
+        torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, out / f"{name}.pt")
 
 
 #: the accumulating Accelerate job: 2 micro-batches per optimizer step, whole steps only (drop_last:
@@ -172,23 +191,25 @@ ACCUMULATE = 2
 ACCUMULATE_ENTRIES = ((1, (12, 4)), (4, (3, 13)))
 
 
-def accelerate_fit(out: Path, accumulate: bool = False) -> None:
+def accelerate_fit(out: Path, accumulate: bool = False, balanced: bool = False) -> None:
     """``attach_pacing`` on a plain loop, or (``accumulate``) one in ``accelerator.accumulate`` with
-    ACCUMULATE micro-batches per step: rebalancing takes them from the Accelerator."""
+    ACCUMULATE micro-batches per step: rebalancing takes them from the Accelerator. ``balanced``:
+    cost-balanced batches instead of the fixed schedule (with ``accumulate``: per micro-batch)."""
     from accelerate import Accelerator
 
     from pace_strategy.core.config import PacingConfig
     from pace_strategy.integrations.accelerate import attach_pacing
 
     name, entries = ("accelerate_accumulate", ACCUMULATE_ENTRIES) if accumulate else ("accelerate", ENTRIES)
+    if balanced:
+        name, entries = "accelerate_balanced", ()
     accelerator = Accelerator(gradient_accumulation_steps=ACCUMULATE if accumulate else 1)
     model = net()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    loader = DataLoader(dataset(), batch_size=BATCH, shuffle=True, drop_last=accumulate)
+    loader = DataLoader(dataset(balanced), batch_size=BATCH, shuffle=True, drop_last=accumulate)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    handle = attach_pacing(
-        accelerator, model, PacingConfig(**PACING), optimizer=optimizer, dataloaders=[loader], run_dir=out
-    )
+    config = PacingConfig.from_dict(BALANCE if balanced else PACING)
+    handle = attach_pacing(accelerator, model, config, optimizer=optimizer, dataloaders=[loader], run_dir=out)
     assert handle.rebalance is not None and handle.rebalance.schedule is not None, (
         "rebalancing is not attached"
     )
@@ -212,12 +233,16 @@ TRAINER_ENTRIES = ((2, (6, 2)), (5, (1, 7)))
 TOKENS, VOCAB = 8, 64
 
 
-def token_dataset() -> torch.utils.data.Dataset[dict[str, Any]]:
-    """256 fixed sequences of TOKENS tokens; each item its own labels and its index."""
+def token_dataset(with_lengths: bool = False) -> torch.utils.data.Dataset[dict[str, Any]]:
+    """256 fixed sequences of TOKENS tokens; each item its own labels and its index (``with_lengths``:
+    a ``lengths`` attribute for cost-balanced batches)."""
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, VOCAB, (256, TOKENS), generator=g)
+    sample_lengths = lengths(len(ids)) if with_lengths else None
 
     class Tokens(torch.utils.data.Dataset[dict[str, Any]]):
+        lengths = sample_lengths
+
         def __len__(self) -> int:
             return len(ids)
 
@@ -239,7 +264,7 @@ def gpt2() -> Any:
     return GPT2LMHeadModel(config)
 
 
-def trainer_fit(out: Path, name: str, mean_loss: bool) -> None:
+def trainer_fit(out: Path, name: str, mean_loss: bool, balanced: bool = False) -> None:
     from transformers import GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
     from pace_strategy.core.config import PacingConfig
@@ -264,12 +289,9 @@ def trainer_fit(out: Path, name: str, mean_loss: bool) -> None:
         learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0, save_strategy="no",
         use_cpu=True, disable_tqdm=True, dataloader_drop_last=True, seed=3,
     )  # fmt: skip
-    trainer = Trainer(model=model, args=args, train_dataset=token_dataset())
-    pacing = PacingCallback(
-        trainer,
-        PacingConfig.from_dict({**PACING, "rebalance": {**PACING["rebalance"], "quantum": 1}}),
-        run_dir=out / name,
-    )
+    trainer = Trainer(model=model, args=args, train_dataset=token_dataset(balanced))
+    pacing_values = BALANCE if balanced else {**PACING, "rebalance": {**PACING["rebalance"], "quantum": 1}}
+    pacing = PacingCallback(trainer, PacingConfig.from_dict(pacing_values), run_dir=out / name)
     trainer.add_callback(pacing)
 
     class FixedTrainerShares(TrainerCallback):  # after PacingCallback: its on_train_begin attached
@@ -277,7 +299,7 @@ def trainer_fit(out: Path, name: str, mean_loss: bool) -> None:
             assert pacing.handle is not None and pacing.handle.rebalance is not None
             schedule = pacing.handle.rebalance.schedule
             assert schedule is not None, "rebalancing is not attached"
-            for from_step, shares in TRAINER_ENTRIES:
+            for from_step, shares in () if balanced else TRAINER_ENTRIES:
                 schedule.add(from_step, shares, "test")
 
     trainer.add_callback(FixedTrainerShares())
@@ -295,14 +317,17 @@ def main() -> None:
     if sys.argv[2:] == ["accelerate"]:
         accelerate_fit(out)
         accelerate_fit(out, accumulate=True)
+        accelerate_fit(out, accumulate=True, balanced=True)
         leave_without_finalization(0)
     if sys.argv[2:] == ["trainer"]:
         trainer_fit(out, "trainer", mean_loss=False)
         trainer_fit(out, "trainer_mean", mean_loss=True)
+        trainer_fit(out, "trainer_balanced", mean_loss=False, balanced=True)
         leave_without_finalization(0)
-    for name in ("rebalanced", "resumed", "paced", "ddp"):
+    for name in ("rebalanced", "resumed", "paced", "ddp", "balanced"):
         fit(name, out)
     fabric_fit(out)
+    fabric_fit(out, balanced=True)
     leave_without_finalization(0)  # gloo's finalization race (see there)
 
 

@@ -11,10 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from pace_strategy.data.balance import Balancer, SampleCost
 from pace_strategy.data.phases import share_phases
 from pace_strategy.telemetry import read_run_record
 from pace_strategy.telemetry.schema import batch_share_tag
@@ -248,3 +250,71 @@ def test_slow_device_demo_names_the_straggler_and_moves_samples_off_it(run):
     common = logged.keys() & trained.keys()
     assert len(common) >= 32 and all(logged[step] == trained[step] for step in common)
     assert min(logged.values()) < 32
+
+
+# ------------------------------------------------------------------ cost-balanced batches, every adapter
+def _balanced_split(indices: list[int], per_rank: int) -> list[set[int]]:
+    """The split the sampler must have made of one global (micro-)batch: the default cost model and
+    layout on the job's lengths, with even shares as the weights (rebalancing off)."""
+    balancer = Balancer(np.asarray(job.lengths(max(indices) + 1)), SampleCost(), "padded")
+    return [set(part) for part in balancer(sorted(indices), (per_rank, per_rank))]
+
+
+def _check_balanced_steps(steps: list[list[list[int]]], per_rank: int, epoch_samples: int) -> None:
+    """Each step's parts are the cost-balanced split of their union, the counts differ where the
+    lengths call for it, and no sample is trained twice within an epoch (``epoch_samples`` trained)."""
+    seen: list[int] = []
+    for t, parts in enumerate(steps):
+        expected = _balanced_split(list(itertools.chain(*parts)), per_rank)
+        assert [set(p) for p in parts] == expected, f"step {t}"
+        seen += itertools.chain(*parts)
+    assert any(len(a) != len(b) for a, b in steps), "no step had unequal counts: nothing was balanced"
+    epochs = [seen[i : i + epoch_samples] for i in range(0, len(seen), epoch_samples)]
+    assert all(len(e) == len(set(e)) for e in epochs), "a sample was trained twice in one epoch"
+
+
+@pytest.mark.parametrize("name", ["balanced", "fabric_balanced"])
+def test_balanced_batches_split_every_global_batch_by_cost_and_keep_its_mean(run, name):
+    """Lightning's ``paced_ddp`` and Fabric with ``balance`` alone: every global batch drawn as the
+    even split would draw it, split by the samples' predicted cost, every sample once per epoch; the
+    weights are one process's trained on the same global batches (the gradient's share factor)."""
+    ranks = _trained(run, name)
+    steps = [[a["indices"], b["indices"]] for a, b in zip(*ranks, strict=True)]
+    assert len(steps) == job.EPOCHS * -(-job.SAMPLES // (2 * job.BATCH))
+    _check_balanced_steps(steps, job.BATCH, job.SAMPLES)
+    per_epoch = len(steps) // job.EPOCHS
+    for epoch in range(job.EPOCHS):
+        seen = list(itertools.chain(*itertools.chain(*steps[epoch * per_epoch : (epoch + 1) * per_epoch])))
+        assert sorted(seen) == list(range(job.SAMPLES))
+    got = torch.load(run / f"{name}.pt")
+    for key, want in _single_process(ranks, scaled=True).items():
+        torch.testing.assert_close(got[key], want, rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{k}: {m}")
+    unscaled = _single_process(ranks, scaled=False)
+    assert max((got[k] - unscaled[k]).abs().max().item() for k in got) > 100 * ATOL
+
+
+def test_balanced_accelerate_accumulation_splits_each_micro_batch_by_cost(run):
+    """``attach_pacing`` with ``balance`` in ``accelerator.accumulate`` (2 micro-batches per step):
+    each micro-batch's global batch split by cost; the weights are one process's on each step's 32."""
+    per_rank = [json.loads((run / f"accelerate_balanced_rank{r}.json").read_text()) for r in (0, 1)]
+    micro = [[a["indices"], b["indices"]] for a, b in zip(*per_rank, strict=True)]
+    _check_balanced_steps(micro, job.BATCH, job.SAMPLES // (2 * job.BATCH) * 2 * job.BATCH)  # drop_last
+    steps = _accumulated_steps(run, "accelerate_balanced", job.ACCUMULATE)
+    got = torch.load(run / "accelerate_balanced.pt")
+    merged = [[{"indices": part} for part in parts] for parts in zip(*steps, strict=True)]
+    for key, want in _single_process(merged, scaled=True).items():
+        torch.testing.assert_close(got[key], want, rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def test_balanced_trainer_splits_each_micro_batch_and_keeps_the_global_mean(run):
+    """The HF Trainer with ``PacingCallback`` and ``balance``, gradient accumulation 2, its loss over
+    the global batch's tokens: each micro-batch split by cost, the weights one process's."""
+    per_rank = [json.loads((run / f"trainer_balanced_rank{r}.json").read_text()) for r in (0, 1)]
+    _check_balanced_steps([list(parts) for parts in zip(*per_rank, strict=True)], job.TRAINER_BATCH, 256)
+    steps = _trainer_steps(run, "trainer_balanced")
+    assert len(steps) == job.TRAINER_STEPS
+    got, want = torch.load(run / "trainer_balanced.pt"), _trainer_single_process(steps, scaled=True)
+    for key in want:
+        torch.testing.assert_close(
+            got[key], want[key], rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{k}: {m}"
+        )
