@@ -80,7 +80,7 @@ def _expected_shares(step: int) -> tuple[int, int]:
     return shares
 
 
-@pytest.mark.parametrize("name", ["rebalanced", "fabric", "accelerate"])
+@pytest.mark.parametrize("name", ["rebalanced", "fabric", "accelerate", "accelerate_fp16"])
 def test_each_rank_trains_its_scheduled_share_and_every_sample_once_per_epoch(run, name):
     ranks = _trained(run, name)
     steps_per_epoch = -(-job.SAMPLES // (2 * job.BATCH))
@@ -318,3 +318,16 @@ def test_balanced_trainer_splits_each_micro_batch_and_keeps_the_global_mean(run)
         torch.testing.assert_close(
             got[key], want[key], rtol=RTOL, atol=ATOL, msg=lambda m, k=key: f"{k}: {m}"
         )
+
+
+def test_a_step_the_grad_scaler_skips_is_still_a_step(run):
+    """Under fp16 (a GradScaler) accelerate's optimizer wrapper skips the optimizer's own step where
+    the gradients overflowed, as every fp16 run does at its first scales: such a step still ends a
+    step (its gradients were synchronized), so the ranks' steps stay one per batch, the shares
+    follow the schedule (above) and the record holds every step, skipped ones included."""
+    skipped = [json.loads((run / f"accelerate_fp16_skipped_rank{r}.json").read_text()) for r in (0, 1)]
+    assert skipped[0] == skipped[1] == list(range(job.FP16_SKIPS)), skipped  # the same steps on both ranks
+    record = read_run_record(run / "fp16")
+    total = job.EPOCHS * -(-job.SAMPLES // (2 * job.BATCH))
+    assert record.end is not None and record.end["status"] == "completed", record.end
+    assert [s["step"] for s in record.steps] == list(range(record.steps[0]["step"], total))

@@ -16,7 +16,7 @@ import importlib.metadata
 import logging
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -313,11 +313,42 @@ def _register(
     # accelerate's optimizer wrapper steps the wrapped optimizer only where gradients synchronize.
     inner = getattr(optimizer, "optimizer", optimizer)
     undo(inner.register_step_post_hook(handle._end).remove)
+    if inner is not optimizer:
+        undo(_end_skipped_steps(handle, optimizer))
     for loader in loaders:
         session.note_dataloader_workers(loader_workers(loader))
         hook = time_dataloader(loader, lambda: handle.live_session, on_batch=handle._batch_ready)
         if hook is not None:
             undo(hook.remove)
+
+
+def _end_skipped_steps(handle: PacingHandle, optimizer: Any) -> Callable[[], None]:
+    """End the steps that accelerate's optimizer wrapper skips under a ``GradScaler`` (fp16: the
+    gradients overflowed, as at its first scales). The wrapped optimizer's own step does not run
+    there, so its post hook does not end the step; yet the loop's optimizer step is done and the
+    gradients were synchronized on every rank (an overflow reaches every rank through the
+    all-reduce, so they all skip alike). Without this the next batch would join the skipped one's
+    step. Wraps this wrapper's ``step`` (the instance's, no other); returns the undo."""
+    original = optimizer.step
+    had_own = "step" in vars(optimizer)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        ended = handle.steps
+        result = original(*args, **kwargs)
+        if handle.steps == ended and getattr(optimizer, "step_was_skipped", False):
+            handle.end_step()
+        return result
+
+    optimizer.step = step
+
+    def undo() -> None:
+        if vars(optimizer).get("step") is step:
+            if had_own:
+                optimizer.step = original
+            else:
+                del optimizer.step
+
+    return undo
 
 
 def _rebalance_data(
