@@ -156,7 +156,8 @@ def train_loop(
                 trained.append({"step": step, "indices": idx.tolist()})
                 backward(nn.functional.cross_entropy(model(x), y))
                 optimizer.step()
-                if getattr(optimizer, "step_was_skipped", False):  # accelerate's, under a GradScaler
+                state = getattr(optimizer, "gradient_state", None)  # accelerate's, under a GradScaler
+                if state is not None and state.sync_gradients and optimizer.step_was_skipped:
                     trained[-1]["skipped"] = True
                 optimizer.zero_grad()
             step += 1
@@ -228,7 +229,7 @@ def accelerate_fit(out: Path, accumulate: bool = False, balanced: bool = False) 
         torch.save({k: v.detach().clone() for k, v in weights.items()}, out / f"{name}.pt")
 
 
-#: the steps the fp16 job's scaler skips (its first ones)
+#: the optimizer steps the fp16 job's scaler skips (its first two; 2 micro-batches per step)
 FP16_SKIPS = 2
 
 
@@ -236,29 +237,30 @@ def accelerate_fp16_fit(out: Path) -> None:
     """The fp16 path of a GPU on CPU: accelerate's own optimizer wrapper and ``backward`` with a real
     ``GradScaler`` (accelerate gives CPU none), whose first steps are skipped as fp16 training's are
     at its first scales: the optimizer's own step does not run there, yet each is an optimizer step
-    of the loop (its gradients were synchronized). Rebalancing on, with the fixed schedule; each
-    rank writes its batches and which steps the scaler skipped."""
+    of the loop (its gradients were synchronized). In ``accelerator.accumulate`` (ACCUMULATE
+    micro-batches per step), rebalancing on with the accumulating schedule; each rank writes its
+    micro-batches and which of them ended a step the scaler skipped."""
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
 
     from pace_strategy.core.config import PacingConfig
     from pace_strategy.integrations.accelerate import attach_pacing
 
-    accelerator = Accelerator()
+    accelerator = Accelerator(gradient_accumulation_steps=ACCUMULATE)
     model = net()
-    loader = DataLoader(dataset(), batch_size=BATCH, shuffle=True)
+    loader = DataLoader(dataset(), batch_size=BATCH, shuffle=True, drop_last=True)
     model, prepared, loader = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR), loader)
     scaler = torch.amp.GradScaler("cpu", growth_interval=10_000)
     accelerator.scaler = scaler
-    # fp16's overflow at the first scales, made certain: rank 0's first backward passes give one
-    # gradient an inf (DDP's all-reduce spreads it), so the scaler skips those steps on every rank
-    overflows = [FP16_SKIPS if accelerator.process_index == 0 else 0]
+    # fp16's overflow at the first scales, made certain: on rank 0 the first micro-batch of each of
+    # the first FP16_SKIPS steps gives one gradient an inf (DDP's all-reduce spreads it at the step's
+    # sync), so the scaler skips those steps on every rank
+    backwards = [0]
+    inf_at = {s * ACCUMULATE for s in range(FP16_SKIPS)} if accelerator.process_index == 0 else set()
 
     def overflow(grad: torch.Tensor) -> torch.Tensor:
-        if overflows[0] > 0:
-            overflows[0] -= 1
-            return torch.full_like(grad, float("inf"))
-        return grad
+        backwards[0] += 1
+        return torch.full_like(grad, float("inf")) if backwards[0] - 1 in inf_at else grad
 
     accelerator.unwrap_model(model)[0].bias.register_hook(overflow)
     optimizer = AcceleratedOptimizer(prepared.optimizer, device_placement=False, scaler=scaler)
@@ -267,10 +269,12 @@ def accelerate_fp16_fit(out: Path) -> None:
         accelerator, model, config, optimizer=optimizer, dataloaders=[loader], run_dir=out / "fp16"
     )
     assert handle.rebalance is not None and handle.rebalance.schedule is not None
-    for from_step, shares in ENTRIES:
+    for from_step, shares in ACCUMULATE_ENTRIES:
         handle.rebalance.schedule.add(from_step, shares, "test")
-    trained = train_loop(loader, model, optimizer, accelerator.backward)
-    skipped = [t for t, b in enumerate(trained) if b.get("skipped")]
+    trained = train_loop(
+        loader, model, optimizer, accelerator.backward, lambda: accelerator.accumulate(model)
+    )
+    skipped = [t // ACCUMULATE for t, b in enumerate(trained) if b.get("skipped")]
     handle.finish()
     (out / f"accelerate_fp16_rank{accelerator.process_index}.json").write_text(json.dumps(trained))
     (out / f"accelerate_fp16_skipped_rank{accelerator.process_index}.json").write_text(json.dumps(skipped))

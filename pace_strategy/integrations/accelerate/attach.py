@@ -335,7 +335,10 @@ def _end_skipped_steps(handle: PacingHandle, optimizer: Any) -> Callable[[], Non
     def step(*args: Any, **kwargs: Any) -> Any:
         ended = handle.steps
         result = original(*args, **kwargs)
-        if handle.steps == ended and getattr(optimizer, "step_was_skipped", False):
+        # a micro-batch that does not synchronize steps nothing (and keeps the last step's flag)
+        state = getattr(optimizer, "gradient_state", None)
+        syncs = state is None or bool(getattr(state, "sync_gradients", True))
+        if syncs and handle.steps == ended and getattr(optimizer, "step_was_skipped", False):
             handle.end_step()
         return result
 
