@@ -37,17 +37,18 @@ def side_group(config: PacingConfig) -> dist.ProcessGroup | None:
     gets its own timeout so that a dead or hung peer is reported by pace_strategy instead of hanging.
     Its interface is the one the job's own traffic takes (:func:`~pace_strategy.core.netif.gloo_interface`):
     ``GLOO_SOCKET_IFNAME`` when set, else the one that routes to ``MASTER_ADDR``, which is then set
-    for this process (gloo reads the variable when a group is built). A side group that cannot connect
-    fails here, naming the interface and the variable to set.
+    while the side group is built (gloo binds a group's device to an interface when it builds the
+    group) and removed again, so that the job's own gloo groups choose theirs as they would without
+    pace_strategy. A side group that cannot connect fails here, naming the interface and the
+    variable to set.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
     interface, why = gloo_interface()
     if interface is not None and not os.environ.get(GLOO_IFNAME_VARIABLE):
-        os.environ[GLOO_IFNAME_VARIABLE] = interface  # what gloo reads when it builds the group
         log.debug("pace_strategy: gloo side group over %s (%s)", interface, why)
     try:
-        with lazy_gloo_connections():
+        with side_groups_built(interface):
             return dist.new_group(backend="gloo", timeout=timedelta(seconds=config.exchange_timeout_s))
     except Exception as error:
         where = (
@@ -82,7 +83,7 @@ def node_leader_exchange(
         return None
     timeout = timedelta(seconds=config.exchange_timeout_s)
     members = layout.nodes[layout.node_of(rank)]
-    with lazy_gloo_connections():
+    with side_groups_built(gloo_interface()[0]):
         # each group is built by its members only: no rank takes part in the other nodes' groups
         node_group = dist.new_group(
             list(members), backend="gloo", timeout=timeout, use_local_synchronization=True
@@ -94,6 +95,28 @@ def node_leader_exchange(
             )
     assert node_group is not None
     return HierarchicalExchange(layout, rank, node_group, leader_group, config.exchange_timeout_s)
+
+
+@contextlib.contextmanager
+def side_groups_built(interface: str | None) -> Iterator[None]:
+    """While pace_strategy's own gloo groups are built (the side group, the node-leader groups):
+    lazily connected (:func:`lazy_gloo_connections`), over ``interface`` unless the user set
+    ``GLOO_SOCKET_IFNAME``; the job's own groups, built before or after, are left as they are."""
+    with lazy_gloo_connections(), _while_built(GLOO_IFNAME_VARIABLE, interface):
+        yield
+
+
+@contextlib.contextmanager
+def _while_built(variable: str, value: str | None) -> Iterator[None]:
+    """``variable`` set to ``value`` while a group is built, unless the user set it (or no value)."""
+    if value is None or os.environ.get(variable):
+        yield
+        return
+    os.environ[variable] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(variable, None)
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from pace_strategy import PacingConfig
 from pace_strategy.core.groups import side_group
+from pace_strategy.core.netif import gloo_interface
 
 interface = os.environ["GLOO_SOCKET_IFNAME"]
 dist.init_process_group("gloo", timeout=timedelta(seconds=30))
@@ -35,10 +36,13 @@ try:
     # Both ranks have counted before either talks on the side group: the peer's first collective
     # connects to this rank's listening socket (lazily), which would be counted here otherwise.
     dist.barrier()
-    assert "TORCH_GLOO_LAZY_INIT" not in os.environ  # set only while the group was built
+    # both set only while the group was built: the group keeps its interface (its first connection
+    # is made by the collective below, after the variable is gone)
+    assert "TORCH_GLOO_LAZY_INIT" not in os.environ and "GLOO_SOCKET_IFNAME" not in os.environ
     value = torch.ones(1)
     dist.all_reduce(value, group=group)
-    print(f"side group over {os.environ.get('GLOO_SOCKET_IFNAME')} (job: {interface}) sum {value.item():g}")
+    chosen, _ = gloo_interface()
+    print(f"side group over {chosen} (job: {interface}) sum {value.item():g}")
     dist.destroy_process_group(group)
     code = 0
 except Exception as error:
