@@ -41,9 +41,9 @@ from pace_strategy.integrations.env import (
     logger_record_dir,
     runs_alone,
 )
+from pace_strategy.integrations.loggers import loggers_sink
 from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance
 from pace_strategy.session import PacingSession
-from pace_strategy.telemetry.sinks import MetricsSink
 from pace_strategy.telemetry.topology import mesh_coordinates
 
 __all__ = [
@@ -148,6 +148,8 @@ class StrategyPacing(PacingDriver):
             return None
         if runs_alone(strategy.world_size, self.run_dir, record_alone=True, runs_as="running as plain DDP"):
             return None
+        sink, unlock = loggers_sink(trainer.loggers if strategy.global_rank == 0 else ())
+        self.on_detach(unlock)
         session = PacingSession.with_side_group(
             self.config,
             rank=strategy.global_rank,
@@ -155,7 +157,7 @@ class StrategyPacing(PacingDriver):
             device=strategy.root_device,
             framework="lightning",
             log_dir=_record_dir(trainer, self.run_dir) if strategy.global_rank == 0 else None,
-            metrics_sink=_metrics_sink(trainer),
+            metrics_sink=sink,
             dashboard=custom_scalars_sink(lambda: tensorboard_loggers(trainer.loggers)),
             node_rank=strategy.node_rank,
             local_rank=strategy.local_rank,
@@ -386,15 +388,3 @@ def _record_dir(trainer: _Trainer, run_dir: Path | None) -> Path | None:
     write); the record itself is created at its first write too.
     """
     return logger_record_dir(run_dir, trainer.logger)
-
-
-def _metrics_sink(trainer: _Trainer) -> MetricsSink | None:
-    loggers = list(trainer.loggers)
-    if not loggers:
-        return None
-
-    def sink(metrics: Mapping[str, float], step: int) -> None:
-        for logger in loggers:
-            logger.log_metrics(dict(metrics), step=step)
-
-    return sink

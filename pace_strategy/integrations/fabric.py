@@ -40,9 +40,9 @@ from pace_strategy.integrations.env import (
     logger_record_dir,
     runs_alone,
 )
+from pace_strategy.integrations.loggers import loggers_sink
 from pace_strategy.integrations.rebalance import STATE_NAME, DataRebalance
 from pace_strategy.session import PacingSession
-from pace_strategy.telemetry.sinks import MetricsSink
 
 __all__ = ["FabricPacing", "PacedFabricDDPStrategy", "finish_pacing", "register_fabric_strategies"]
 
@@ -83,6 +83,8 @@ class FabricPacing(PacingDriver):
         if fabric is None:
             log.warning("pace_strategy: set up outside Fabric.setup; pace/* telemetry goes to no logger")
         rank = strategy.global_rank
+        sink, unlock = loggers_sink(fabric.loggers if fabric is not None and rank == 0 else ())
+        self.on_detach(unlock)
         session = PacingSession.with_side_group(
             self.config,
             rank=rank,
@@ -90,7 +92,7 @@ class FabricPacing(PacingDriver):
             device=strategy.root_device,
             framework="fabric",
             log_dir=self._record_dir(fabric) if rank == 0 else None,
-            metrics_sink=_metrics_sink(fabric),
+            metrics_sink=sink,
             dashboard=custom_scalars_sink(lambda: tensorboard_loggers(fabric.loggers if fabric else [])),
             node_rank=strategy.node_rank,
             local_rank=strategy.local_rank,
@@ -294,16 +296,6 @@ def _calling_fabric(strategy: DDPStrategy) -> Fabric | None:
     finally:
         del frame  # a frame reference would keep every local of the stack alive
     return None
-
-
-def _metrics_sink(fabric: Fabric | None) -> MetricsSink | None:
-    if fabric is None or not fabric.loggers:
-        return None
-
-    def sink(metrics: Any, step: int) -> None:
-        fabric.log_dict(dict(metrics), step=step)
-
-    return sink
 
 
 # Registered as soon as the classes exist: ``import pace_strategy`` imports this module when

@@ -1,0 +1,72 @@
+"""The ``pace/`` tags into a Lightning or Fabric run's own loggers, from the telemetry thread.
+
+A run's loggers are called by the training thread (its own metrics, ``save``, ``finalize``) and, for
+the tags, by the session's telemetry thread. TensorBoard's writer is safe to share (its events go
+through a queue under a lock); the other loggers promise nothing: Lightning's ``CSVLogger`` keeps a
+list of rows that ``save`` writes and then replaces, so a row appended meanwhile is lost, and a row
+whose columns the header lacks makes the CSV writer raise in the training thread. Each such logger's
+methods are therefore serialized by a lock of its own (the instance's methods wrapped, unwrapped at
+the end of the session): the training thread waits at most while one step's tags are logged.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+__all__ = ["LOCKED_METHODS", "loggers_sink"]
+
+#: the logger methods the lock serializes (those that touch what ``log_metrics`` writes)
+LOCKED_METHODS = ("log_metrics", "log_hyperparams", "log_graph", "save", "finalize", "after_save_checkpoint")
+
+
+def loggers_sink(
+    loggers: Iterable[Any],
+) -> tuple[Callable[[Mapping[str, float], int], None] | None, Callable[[], None]]:
+    """The session's metrics sink into ``loggers`` (each step's tags into each logger's
+    ``log_metrics``), and the function that undoes the locking (idempotent). ``None`` without loggers."""
+    loggers = list(loggers)
+    undo = [_serialize(logger) for logger in loggers if not _thread_safe(logger)]
+
+    def sink(metrics: Mapping[str, float], step: int) -> None:
+        for logger in loggers:
+            logger.log_metrics(dict(metrics), step=step)
+
+    def unlock() -> None:
+        while undo:
+            undo.pop()()
+
+    return (sink if loggers else None), unlock
+
+
+def _thread_safe(logger: Any) -> bool:
+    """TensorBoard's loggers: their writer queues every event under its own lock."""
+    return "TensorBoard" in type(logger).__name__
+
+
+def _serialize(logger: Any) -> Callable[[], None]:
+    """Wrap ``logger``'s :data:`LOCKED_METHODS` (the instance's) in one re-entrant lock; returns the
+    undo, which leaves a method someone replaced since as it is."""
+    lock = threading.RLock()
+    wrapped: dict[str, Callable[..., Any]] = {}
+    for name in LOCKED_METHODS:
+        method = getattr(logger, name, None)
+        if not callable(method) or name in vars(logger):
+            continue
+
+        def locked(*args: Any, _method: Callable[..., Any] = method, **kwargs: Any) -> Any:
+            with lock:
+                return _method(*args, **kwargs)
+
+        wrapped[name] = functools.update_wrapper(locked, method)
+        setattr(logger, name, wrapped[name])
+
+    def undo() -> None:
+        for name, wrapper in wrapped.items():
+            if vars(logger).get(name) is wrapper:
+                delattr(logger, name)
+        wrapped.clear()
+
+    return undo
