@@ -37,7 +37,12 @@ from pace_strategy.shutdown import close_at_exit, no_longer_open
 from pace_strategy.telemetry.record_lines import hang_line
 from pace_strategy.telemetry.run_record import RunRecordWriter
 from pace_strategy.telemetry.sinks import DashboardSink, MetricsSink, Publisher, RecordSink, Sink, node_shard
-from pace_strategy.telemetry.topology import LoaderWorkers, elastic_restart_count, local_placement
+from pace_strategy.telemetry.topology import (
+    LoaderWorkers,
+    elastic_restart_count,
+    local_placement,
+    tensor_parallel_caveat,
+)
 
 __all__ = ["PacingSession"]
 
@@ -121,13 +126,7 @@ class PacingSession:
             rank, config, log_dir, self.topology, framework, self.restart_count, nodes
         )
         self.publisher = Publisher.for_rank(
-            rank,
-            config,
-            world_size,
-            record=self.record_sink,
-            metrics=metrics_sink,
-            dashboard=dashboard,
-            more=sinks,
+            rank, config, world_size, self.record_sink, metrics_sink, dashboard, sinks
         )
         #: a node leader's shard of the record (its node's ranks), when the record is sharded
         self.shard = node_shard(config, group, rank, world_size, self.record_path, hierarchy)
@@ -159,6 +158,8 @@ class PacingSession:
             progress=lambda: (self.pacer.progress, self.pacer.progress_step),
         )
         close_at_exit(self)
+        if rank == 0 and (caveat := tensor_parallel_caveat(self.topology)) is not None:
+            log.warning("pace_strategy: %s", caveat)
 
     @classmethod
     def start(

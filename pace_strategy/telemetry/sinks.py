@@ -271,7 +271,6 @@ class Publisher:
         rank: int,
         config: PacingConfig,
         world_size: int,
-        *,
         record: RecordSink | None = None,
         metrics: MetricsSink | None = None,
         dashboard: DashboardSink | None = None,

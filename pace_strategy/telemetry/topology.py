@@ -24,6 +24,7 @@ __all__ = [
     "local_placement",
     "mesh_coordinates",
     "parse_cpu_ranges",
+    "tensor_parallel_caveat",
 ]
 
 #: the mesh dimensions a rank's coordinates are recorded by: data parallel replicated (HSDP's
@@ -244,6 +245,22 @@ def local_placement(
         pid=os.getpid(),
         pid_start=process_start(os.getpid()),
         **dict(coordinates or {}),
+    )
+
+
+def tensor_parallel_caveat(topology: Sequence[Mapping[str, Any]]) -> str | None:
+    """What a record of a mesh with a tensor-parallel dimension cannot say (``None`` without one):
+    said once at start and by ``pace diagnose``, so that no finding on such a mesh is read as more
+    than it is."""
+    groups = {p.get("tp") for p in topology if isinstance(p.get("tp"), int)}
+    if len(groups) < 2:
+        return None
+    return (
+        f"a tensor-parallel mesh ({len(groups)} ranks per tensor-parallel group): the tensor-parallel "
+        "collectives inside forward and backward are not timed apart, so a rank's wait in them counts "
+        "as its compute and a slow member's lateness spreads to its group's other ranks and through "
+        "them to the data-parallel peers; which rank is slow is not reliable on this mesh (the step's "
+        "total waiting, pacing and each rank's mesh coordinates are; docs/pytorch.md)"
     )
 
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from pace_strategy.telemetry import TAGS, lead_tag, read_run_record
-from tests.integration.helpers import only_version_dir, read_scalars, run_recipe, why_failed
+from tests.integration.helpers import diagnose_json, only_version_dir, read_scalars, run_recipe, why_failed
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -78,3 +82,27 @@ def test_forced_pacing_gives_weights_identical_to_unpaced_fsdp(tmp_path):
     assert wa.keys() == wb.keys() and len(wa) == 8
     for key in wa:
         assert torch.equal(wa[key], wb[key]), f"{key} differs between unpaced and paced FSDP"
+
+
+def test_paced_fsdp_with_tensor_parallelism_records_the_mesh_and_says_what_it_cannot_tell(tmp_path):
+    """Lightning's ModelParallelStrategy with ``tensor_parallel_size=2`` under ``paced_fsdp`` (4 CPU
+    processes, rank 1 slow in backward): it trains, every step is recorded with each rank's place in
+    the mesh, and the diagnosis notes that a tensor-parallel member's slowness cannot be told apart
+    (its peers wait for it inside the tensor-parallel collectives, which are not timed)."""
+    job = Path(__file__).with_name("lightning_tp_job.py")
+    done = subprocess.run(
+        [sys.executable, str(job), str(tmp_path)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert done.returncode == 0, why_failed(done.stderr, 4000)
+    assert "pace_strategy: a tensor-parallel mesh (2 ranks per tensor-parallel group)" in done.stderr
+    record = read_run_record(tmp_path)
+    assert record.end["status"] == "completed" and record.header["world_size"] == 4
+    coords = [(t["dp_shard"], t["tp"]) for t in record.header["topology"]]
+    assert coords == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [s["step"] for s in record.steps] == list(range(24))
+    notes = diagnose_json(tmp_path)["notes"]
+    assert any(n.startswith("a tensor-parallel mesh (2 ranks per tensor-parallel group)") for n in notes)

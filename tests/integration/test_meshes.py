@@ -93,3 +93,7 @@ def test_fsdp_x_tp_records_each_rank_s_place_and_times_the_data_parallel_collect
     assert coords == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # FSDP over dp_shard alone: 3 forward all-gathers, 2 backward re-gathers, 3 reduce-scatters
     assert {s["buckets"] for s in record.steps} == {3 + 2 + 3}
+    # and the diagnosis says what it cannot tell on this mesh (HSDP's has no such note)
+    caveat = "a tensor-parallel mesh (2 ranks per tensor-parallel group)"
+    assert any(n.startswith(caveat) for n in diagnose_json(run / "tp" / "record")["notes"])
+    assert not any(n.startswith(caveat) for n in diagnose_json(run / "hsdp" / "record")["notes"])

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from pace_strategy.telemetry.topology import local_placement, mesh_coordinates
+from pace_strategy.telemetry.topology import local_placement, mesh_coordinates, tensor_parallel_caveat
 
 
 @pytest.fixture
@@ -53,3 +53,14 @@ def test_node_and_local_rank_come_from_torchrun_else_from_slurm(monkeypatch):
     monkeypatch.setenv("GROUP_RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "2")
     assert (local_placement(0, cpu).node_rank, local_placement(0, cpu).local_rank) == (1, 2)
+
+
+def test_a_tensor_parallel_mesh_is_said_to_be_unreliable_per_rank_and_others_are_not():
+    tp = [{"dp_shard": d, "tp": t} for d in (0, 1) for t in (0, 1)]
+    caveat = tensor_parallel_caveat(tp)
+    assert caveat is not None and "2 ranks per tensor-parallel group" in caveat
+    assert "which rank is slow is not reliable" in caveat
+    hsdp = [{"dp_replicate": r, "dp_shard": s} for r in (0, 1) for s in (0, 1)]
+    assert tensor_parallel_caveat(hsdp) is None
+    assert tensor_parallel_caveat([{"dp_shard": 0, "tp": 0}, {"dp_shard": 1, "tp": 0}]) is None  # tp size 1
+    assert tensor_parallel_caveat([]) is None

@@ -1,0 +1,89 @@
+"""Lightning's ``paced_fsdp`` on a 2 x 2 mesh (FSDP over ``data_parallel``, tensor parallelism over
+``tensor_parallel``): ``python lightning_tp_job.py OUT``, 4 CPU processes (Lightning's launcher).
+
+The LightningModule's ``configure_model`` applies the tensor-parallel plan (an MLP's projections
+column- and row-wise) and shards the network over the data-parallel dimension, as Lightning's own
+tensor-parallel examples do; rank 1 spends SLOW_MS more in every backward. The run record goes to OUT.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.data import DataLoader, TensorDataset
+
+from pace_strategy.integrations.lightning import PacedFSDPStrategy
+from pace_strategy.testing.slow import InjectionPoint
+
+STEPS, BATCH, SLOW_MS = 24, 8, 30.0
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 64)
+        self.point = InjectionPoint()
+        self.up = nn.Linear(64, 128)
+        self.down = nn.Linear(128, 64)
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.down(torch.relu(self.up(self.point(self.first(x))))))
+
+
+class Module(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = Net()
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        assert mesh is not None  # set by ModelParallelStrategy before configure_model
+        parallelize_module(
+            self.net, mesh["tensor_parallel"], {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        )
+        fully_shard(self.net.up, mesh=mesh["data_parallel"])
+        fully_shard(self.net.down, mesh=mesh["data_parallel"])
+        fully_shard(self.net, mesh=mesh["data_parallel"])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        if self.global_rank == 1:
+            self.net.point.arm(0.0, SLOW_MS)
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def main(out: Path) -> None:
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(
+        torch.randn(STEPS * BATCH, 16, generator=g), torch.randn(STEPS * BATCH, 1, generator=g)
+    )
+    pacing = {"exchange_every_steps": 4, "mode": "monitor"}
+    strategy = PacedFSDPStrategy(data_parallel_size=2, tensor_parallel_size=2, pacing=pacing, run_dir=out)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=4,
+        strategy=strategy,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Module(), DataLoader(data, batch_size=BATCH))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
