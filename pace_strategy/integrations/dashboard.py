@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["add_scalars", "custom_scalars_sink", "tensorboard_loggers"]
+__all__ = ["add_scalars", "custom_scalars_sink", "is_tensorboard_logger", "tensorboard_loggers"]
 
 
 def add_scalars(writer: Any, metrics: Mapping[str, float], step: int) -> None:
@@ -28,7 +28,13 @@ def custom_scalars_sink(writers: Callable[[], Iterable[Any]]) -> Callable[[Mappi
     return write
 
 
+def is_tensorboard_logger(logger: Any) -> bool:
+    """Whether ``logger`` is one of Lightning's (or Fabric's) TensorBoard loggers, told by its class
+    name so that neither Lightning package need be imported."""
+    return "TensorBoard" in type(logger).__name__
+
+
 def tensorboard_loggers(loggers: Iterable[Any]) -> list[Any]:
     """The writers of Lightning's (or Fabric's) TensorBoard loggers among ``loggers`` (their
     ``experiment``); the other loggers are not touched (reading ``experiment`` may start one)."""
-    return [logger.experiment for logger in loggers if "TensorBoard" in type(logger).__name__]
+    return [logger.experiment for logger in loggers if is_tensorboard_logger(logger)]

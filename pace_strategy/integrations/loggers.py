@@ -16,19 +16,21 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from pace_strategy.integrations.dashboard import is_tensorboard_logger
+from pace_strategy.telemetry.sinks import MetricsSink
+
 __all__ = ["LOCKED_METHODS", "loggers_sink"]
 
 #: the logger methods the lock serializes (those that touch what ``log_metrics`` writes)
 LOCKED_METHODS = ("log_metrics", "log_hyperparams", "log_graph", "save", "finalize", "after_save_checkpoint")
 
 
-def loggers_sink(
-    loggers: Iterable[Any],
-) -> tuple[Callable[[Mapping[str, float], int], None] | None, Callable[[], None]]:
+def loggers_sink(loggers: Iterable[Any]) -> tuple[MetricsSink | None, Callable[[], None]]:
     """The session's metrics sink into ``loggers`` (each step's tags into each logger's
     ``log_metrics``), and the function that undoes the locking (idempotent). ``None`` without loggers."""
     loggers = list(loggers)
-    undo = [_serialize(logger) for logger in loggers if not _thread_safe(logger)]
+    # TensorBoard's writer queues every event under its own lock: safe to share as it is
+    undo = [_serialize(logger) for logger in loggers if not is_tensorboard_logger(logger)]
 
     def sink(metrics: Mapping[str, float], step: int) -> None:
         for logger in loggers:
@@ -39,11 +41,6 @@ def loggers_sink(
             undo.pop()()
 
     return (sink if loggers else None), unlock
-
-
-def _thread_safe(logger: Any) -> bool:
-    """TensorBoard's loggers: their writer queues every event under its own lock."""
-    return "TensorBoard" in type(logger).__name__
 
 
 def _serialize(logger: Any) -> Callable[[], None]:

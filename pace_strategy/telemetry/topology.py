@@ -252,11 +252,11 @@ def tensor_parallel_caveat(topology: Sequence[Mapping[str, Any]]) -> str | None:
     """What a record of a mesh with a tensor-parallel dimension cannot say (``None`` without one):
     said once at start and by ``pace diagnose``, so that no finding on such a mesh is read as more
     than it is."""
-    groups = {p.get("tp") for p in topology if isinstance(p.get("tp"), int)}
-    if len(groups) < 2:
+    members = {p.get("tp") for p in topology if isinstance(p.get("tp"), int)}  # the tp coordinates
+    if len(members) < 2:
         return None
     return (
-        f"a tensor-parallel mesh ({len(groups)} ranks per tensor-parallel group): the tensor-parallel "
+        f"a tensor-parallel mesh ({len(members)} ranks per tensor-parallel group): the tensor-parallel "
         "collectives inside forward and backward are not timed apart, so a rank's wait in them counts "
         "as its compute and a slow member's lateness spreads to its group's other ranks and through "
         "them to the data-parallel peers; which rank is slow is not reliable on this mesh (the step's "

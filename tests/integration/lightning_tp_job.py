@@ -1,9 +1,10 @@
 """Lightning's ``paced_fsdp`` on a 2 x 2 mesh (FSDP over ``data_parallel``, tensor parallelism over
 ``tensor_parallel``): ``python lightning_tp_job.py OUT``, 4 CPU processes (Lightning's launcher).
 
-The LightningModule's ``configure_model`` applies the tensor-parallel plan (an MLP's projections
-column- and row-wise) and shards the network over the data-parallel dimension, as Lightning's own
-tensor-parallel examples do; rank 1 spends SLOW_MS more in every backward. The run record goes to OUT.
+The LightningModule's ``configure_model`` applies ``mesh_script.py``'s tensor-parallel plan to its
+network (the projections column- and row-wise) and shards it over the data-parallel dimension, as
+Lightning's own tensor-parallel examples do; rank 1 spends SLOW_MS more in every backward. The run
+record goes to OUT.
 """
 
 from __future__ import annotations
@@ -14,28 +15,13 @@ from typing import Any
 
 import lightning as L
 import torch
+from mesh_script import Net, shard_tensor_parallel  # a sibling: this directory is a script's sys.path[0]
 from torch import nn
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
 from pace_strategy.integrations.lightning import PacedFSDPStrategy
-from pace_strategy.testing.slow import InjectionPoint
 
 STEPS, BATCH, SLOW_MS = 24, 8, 30.0
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = nn.Linear(16, 64)
-        self.point = InjectionPoint()
-        self.up = nn.Linear(64, 128)
-        self.down = nn.Linear(128, 64)
-        self.head = nn.Linear(64, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.down(torch.relu(self.up(self.point(self.first(x))))))
 
 
 class Module(L.LightningModule):
@@ -47,12 +33,7 @@ class Module(L.LightningModule):
     def configure_model(self) -> None:
         mesh = self.device_mesh
         assert mesh is not None  # set by ModelParallelStrategy before configure_model
-        parallelize_module(
-            self.net, mesh["tensor_parallel"], {"up": ColwiseParallel(), "down": RowwiseParallel()}
-        )
-        fully_shard(self.net.up, mesh=mesh["data_parallel"])
-        fully_shard(self.net.down, mesh=mesh["data_parallel"])
-        fully_shard(self.net, mesh=mesh["data_parallel"])
+        shard_tensor_parallel(self.net, mesh["tensor_parallel"], mesh["data_parallel"])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -63,13 +63,22 @@ def build(layout: str, mesh: DeviceMesh) -> Net:
     torch.manual_seed(0)
     net = Net()
     if layout == "hsdp":  # a 2-D mesh given to fully_shard: HSDP
-        fully_shard(net.up, mesh=mesh)
-        fully_shard(net.down, mesh=mesh)
-        return fully_shard(net, mesh=mesh)
-    parallelize_module(net, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    fully_shard(net.up, mesh=mesh["dp_shard"])
-    fully_shard(net.down, mesh=mesh["dp_shard"])
-    return fully_shard(net, mesh=mesh["dp_shard"])
+        return shard(net, mesh)
+    return shard_tensor_parallel(net, mesh["tp"], mesh["dp_shard"])
+
+
+def shard(net: Net, mesh: DeviceMesh) -> Net:
+    """FSDP over ``mesh``: each projection a group, the network the root."""
+    fully_shard(net.up, mesh=mesh)
+    fully_shard(net.down, mesh=mesh)
+    return fully_shard(net, mesh=mesh)
+
+
+def shard_tensor_parallel(net: Net, tp: DeviceMesh, dp: DeviceMesh) -> Net:
+    """The network's projections over ``tp`` (``up`` column-wise, ``down`` row-wise), then FSDP over
+    ``dp`` (Lightning's job does the same: lightning_tp_job.py)."""
+    parallelize_module(net, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    return shard(net, dp)
 
 
 def train(net: Net, layout: str, rank: int, batches: list, pace=None) -> None:
