@@ -89,10 +89,13 @@ def test_a_plain_ddp_loop_is_measured_with_its_own_summary_writer(runs):
     metrics = parse_metrics((out / "metrics.txt").read_text())
     # the gauge is one step's skew (the last of a window), as noisy as one step: it must be a step of
     # this run (the medians above carry the injection's bounds), not fall in the injection's band
+    # (a single step's lead can fall below the median's band: CI once saw 19.06 ms against a 20 ms floor)
     assert metrics["pace_straggler_rank"] == 1.0, metrics
-    assert min(abs(s["skew_ms"] - metrics["pace_skew_ms"]) for s in record.steps) < 0.01, metrics
+    shown = min(record.steps, key=lambda s: abs(s["skew_ms"] - metrics["pace_skew_ms"]))
+    assert abs(shown["skew_ms"] - metrics["pace_skew_ms"]) < 0.01, metrics
+    assert abs(shown["lead_ms"][0] - metrics['pace_lead_ms{rank="0"}']) < 0.01, (shown, metrics)
     assert metrics["pace_steps_total"] >= STEPS - 4 and metrics['pace_lead_ms{rank="1"}'] == 0.0, metrics
-    assert metrics['pace_lead_ms{rank="0"}'] > 20.0 and metrics['pace_windows_total{state="monitor"}'] >= 3
+    assert metrics['pace_lead_ms{rank="0"}'] > 0.0 and metrics['pace_windows_total{state="monitor"}'] >= 3
 
 
 def test_a_torchtitan_style_fsdp2_loop_is_measured(runs):
