@@ -80,7 +80,11 @@ def test_forced_pacing_decisions_agree_and_delay_only_leading_ranks():
     assert paced, "forced mode applied no delay despite a 30 ms lead"
     for d in paced:
         assert d.delays_ms[0] == 0.0  # rank 0 is the straggler
-        assert 0.0 < d.delays_ms[1] <= 10.0 and 0.0 < d.delays_ms[2] <= 10.0
+        assert all(0.0 <= d.delays_ms[r] <= 10.0 for r in (1, 2)), d.delays_ms
+    # Each leading rank is delayed in most paced windows: one window of a loaded machine can see a
+    # leader's sleeps overshoot by its whole lead (CI saw rank 2 at 0 ms beside rank 1 at 1.2 ms).
+    for r in (1, 2):
+        assert sum(d.delays_ms[r] > 0.0 for d in paced) > len(paced) / 2, [d.delays_ms for d in paced]
 
 
 def exchange_with_missing_peer(peer_behaviour, timeout_s=1.5):

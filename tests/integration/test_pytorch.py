@@ -93,7 +93,7 @@ def test_a_plain_ddp_loop_is_measured_with_its_own_summary_writer(runs):
     assert metrics["pace_straggler_rank"] == 1.0, metrics
     shown = min(record.steps, key=lambda s: abs(s["skew_ms"] - metrics["pace_skew_ms"]))
     assert abs(shown["skew_ms"] - metrics["pace_skew_ms"]) < 0.01, metrics
-    assert abs(shown["lead_ms"][0] - metrics['pace_lead_ms{rank="0"}']) < 0.01, (shown, metrics)
+    assert abs(shown["ranks"]["lead_ms"][0] - metrics['pace_lead_ms{rank="0"}']) < 0.01, (shown, metrics)
     assert metrics["pace_steps_total"] >= STEPS - 4 and metrics['pace_lead_ms{rank="1"}'] == 0.0, metrics
     assert metrics['pace_lead_ms{rank="0"}'] > 0.0 and metrics['pace_windows_total{state="monitor"}'] >= 3
 
