@@ -1,5 +1,5 @@
 # The two commands of the README's quick start, and the checks behind them.
-.PHONY: setup demo test lint unit bench clean
+.PHONY: setup demo test test-long lint unit bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -8,12 +8,18 @@ setup:
 demo: setup
 	OMP_NUM_THREADS=1 .venv/bin/pace demo
 
-# Lint, type-check and the whole test suite: first every test that does not measure time, two at a
-# time (a module's tests on one worker, so that its shared runs are made once); then the tests that
-# measure time or diagnose a run by its timing (marked `alone`), one at a time with nothing beside them.
+# Lint, type-check and the test suite: first every test that does not measure time, two at a time (a
+# module's tests on one worker, so that its shared runs are made once); then the tests that measure
+# time or diagnose a run by its timing (marked `alone`), one at a time with nothing beside them. The
+# long runs (marked `long`) are left to `make test-long` (docs/testing.md says which and why).
 test: setup lint
-	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadscope -m "not alone"
-	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -m alone
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadscope -m "not alone and not long"
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -m "alone and not long"
+
+# The long runs, in the same two phases (about 6 minutes more on 2 cores).
+test-long: setup
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -n 2 --dist loadscope -m "long and not alone"
+	OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q -m "long and alone"
 
 lint:
 	.venv/bin/ruff check .

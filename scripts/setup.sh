@@ -22,7 +22,17 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install --quiet --no-compile "torch==2.13.0"
 fi
 echo "setup: installing pace_strategy and its dependencies into $VENV"
-"$PY" -m pip install --quiet --no-compile -e ".[dev,all]" 2> >(grep -v "is ignored: it is neither" >&2)
+# uv resolves and installs the dependencies in parallel (6 s here against pip's 83 s); pinned to the
+# torch already installed, so it never fetches another build. pip installs them where uv cannot.
+torch_version="$("$PY" -c 'from importlib.metadata import version; print(version("torch").split("+")[0])')"
+pin="$(mktemp)"
+trap 'rm -f "$pin"' EXIT
+echo "torch==$torch_version" > "$pin"
+if ! { "$PY" -m pip install --quiet --no-compile uv 2>/dev/null \
+        && "$VENV/bin/uv" pip install --quiet --python "$PY" --constraint "$pin" -e ".[dev,all]"; }; then
+    echo "setup: uv could not install them; installing with pip"
+    "$PY" -m pip install --quiet --no-compile -e ".[dev,all]" 2> >(grep -v "is ignored: it is neither" >&2)
+fi
 # pip compiles what it installs one file at a time (85 s of the set-up's 137 here); compiled on
 # every core instead. Compiled at all because PYTHONDONTWRITEBYTECODE may be set (it is on the
 # project's machines): then nothing imported from source is ever cached, and every test process

@@ -26,7 +26,7 @@ from pace_strategy.telemetry import RECORD_FILENAME, read_run_record
 from tests.integration.helpers import read_scalars, why_failed
 from tests.integration.preloaded import PreloadedJob
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.long, pytest.mark.timeout(240)]
 
 SCRIPT = Path(__file__).with_name("artifacts_jobs.py")
 MAX_STEPS = 4  # artifacts_jobs.MAX_STEPS

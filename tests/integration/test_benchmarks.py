@@ -17,7 +17,7 @@ import pytest
 
 from tests.integration.helpers import why_failed
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.long, pytest.mark.timeout(240)]
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 

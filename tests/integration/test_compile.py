@@ -17,7 +17,7 @@ from pace_strategy.telemetry import read_run_record
 from tests.integration.compile_script import SLOW_MS
 from tests.integration.helpers import free_port, why_failed
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.long, pytest.mark.timeout(240)]
 
 SCRIPT = Path(__file__).resolve().parent / "compile_script.py"
 

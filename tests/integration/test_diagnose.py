@@ -242,6 +242,7 @@ def test_unreadable_records_fail_clearly(tmp_path):
     assert two.returncode == 2 and "pass one of these" in two.stderr
 
 
+@pytest.mark.long
 def test_rate_limited_uplink_is_fabric_contention(tmp_path):
     """Two nodes in network namespaces; node b's uplink shaped to 40 Mbit/s (a slow, shared path)."""
     from tests.integration.netns import two_node_fabric

@@ -16,7 +16,7 @@ import pytest
 from pace_strategy.telemetry.run_record import read_run_record, record_filename
 from tests.integration.helpers import pace_diagnose, why_failed
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.long]
 
 JOB = Path(__file__).with_name("fault_job.py")
 STEPS = 12

@@ -84,6 +84,7 @@ def test_forced_pacing_gives_weights_identical_to_unpaced_fsdp(tmp_path):
         assert torch.equal(wa[key], wb[key]), f"{key} differs between unpaced and paced FSDP"
 
 
+@pytest.mark.long
 def test_paced_fsdp_with_tensor_parallelism_records_the_mesh_and_says_what_it_cannot_tell(tmp_path):
     """Lightning's ModelParallelStrategy with ``tensor_parallel_size=2`` under ``paced_fsdp`` (4 CPU
     processes, rank 1 slow in backward): it trains, every step is recorded with each rank's place in

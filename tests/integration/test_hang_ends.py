@@ -19,7 +19,7 @@ from pace_strategy.core.evidence import process_start
 from pace_strategy.core.watchdog import HANG_EXIT_CODE
 from tests.integration.helpers import free_port
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(200)]
+pytestmark = [pytest.mark.integration, pytest.mark.long, pytest.mark.timeout(200)]
 
 HERE = Path(__file__).resolve().parent
 HANG_TIMEOUT_S = 3.0

@@ -21,7 +21,7 @@ from pace_strategy.telemetry.run_record import read_run_record
 from tests.integration.helpers import pace_diagnose, why_failed
 from tests.integration.preempt_resume_job import CKPT_EVERY, RESUME_STEPS
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.long, pytest.mark.timeout(300)]
 
 JOB = Path(__file__).with_name("preempt_resume_job.py")
 REPO = Path(__file__).resolve().parents[2]

@@ -205,6 +205,7 @@ def test_rack_delay_holds_frames_leaving_that_rack_and_down_stops_the_element():
     assert testbed.down(prefix) == []
 
 
+@pytest.mark.long
 def test_a_slow_port_in_a_four_node_ring_is_blamed_on_the_fabric_and_never_paced(tmp_path):
     """Node 3's port at 5 Mbit/s, one rank per node, pacing forced on. In a ring the lateness the slow
     port causes spreads to its neighbours; still no rank's compute is slow, so the diagnosis must name
@@ -244,6 +245,7 @@ def test_a_slow_port_in_a_four_node_ring_is_blamed_on_the_fabric_and_never_paced
     assert "locality" not in found and "persistent_straggler" not in found, found
 
 
+@pytest.mark.long
 def test_a_node_under_a_cpu_quota_is_its_own_bursty_straggler(tmp_path):
     """Two nodes, one rank each, real compute only (an MLP of width 1024, no sleeps); node 1's rank
     runs under half a CPU (cgroup quota, 400 ms period): normal at the median, far slower in the steps

@@ -145,6 +145,7 @@ def check_scraped(stdout: str, steps: int = 4) -> None:
     assert scraped['pace_lead_ms{rank="1"}'] == 0.0 and scraped['pace_lead_ms{rank="0"}'] > 10.0, scraped
 
 
+@pytest.mark.long
 def test_an_unchanged_accelerate_script_is_paced_by_pace_launch(launches):
     launch = launches["accelerate"]
     stdout = launch.result()

@@ -114,6 +114,7 @@ print(json.dumps({{n: registry[n]["strategy"].__module__ for n in names}}))
 """
 
 
+@pytest.mark.long
 def test_strategies_are_registered_whichever_is_imported_first_and_a_probe_does_not_use_it_up():
     if importlib.util.find_spec("pytorch_lightning") is None:
         pytest.skip("pytorch_lightning is not installed")

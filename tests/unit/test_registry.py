@@ -90,6 +90,7 @@ print('ok')
 """
 
 
+@pytest.mark.long
 def test_each_adapter_imports_and_registers_without_the_other_package():
     runs = []
     for package, blocked in (("lightning.pytorch", "pytorch_lightning"), ("pytorch_lightning", "lightning")):
