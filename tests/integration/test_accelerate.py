@@ -114,6 +114,7 @@ def test_pace_variables_are_parsed_and_checked():
         config_from_env({"PACE_EXCHANGE_EVERY_STEPS": "x"})
 
 
+@pytest.mark.long
 def test_the_handle_removes_every_hook_it_registered(tmp_path):
     cfg, script = tmp_path / "accel.yaml", Path(__file__).parent / "accelerate_attach_script.py"
     cfg.write_text(ACCELERATE_CPU_CONFIG.format(kind="MULTI_GPU"))

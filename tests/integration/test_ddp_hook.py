@@ -353,6 +353,7 @@ def test_ddp_s_buffer_sync_is_the_one_private_method_timed():
     assert "self._sync_buffers()" in inspect.getsource(DistributedDataParallel._pre_forward)
 
 
+@pytest.mark.long
 def test_paced_matches_ddps_own_bits_at_three_ranks_under_both_monitors(tmp_path):
     # At W = 3 a division by W and DDP's multiplication by 1/W differ in the last bit for about a
     # third of the values (at W = 2 they agree): the pacing hook must reduce as DDP's reducer does.

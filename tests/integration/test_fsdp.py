@@ -52,6 +52,7 @@ def test_paced_fsdp_times_every_collective_and_names_the_straggler(tmp_path):
     assert compute[1] - compute[0] > 25.0, compute
 
 
+@pytest.mark.long
 def test_forced_pacing_gives_weights_identical_to_unpaced_fsdp(tmp_path):
     args = ("trainer.max_steps=24", "straggler.delay_ms=30")
     plain = run_recipe(
