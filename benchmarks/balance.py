@@ -210,7 +210,8 @@ def _layout(
         source = sources["grouped" if arm.startswith("grouped") else "data"]
         shuffle = source is sources["data"]
         if arm.endswith("balanced"):
-            balance = {"enabled": True, "layout": layout, **cost}
+            # balanced at every step (the arms take turns here; the A/B check would too)
+            balance = {"enabled": True, "layout": layout, "verify": False, **cost}
             # the data path only: no window exchanged during the run
             pacing = {"mode": "monitor", "exchange_every_steps": 10**6, "balance": balance}
             paces[arm] = pace_strategy.attach(

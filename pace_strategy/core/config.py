@@ -304,10 +304,36 @@ class BalanceConfig(_Group):
             be split within it fails naming this field."""
         ),
     )
+    verify: bool = field(
+        default=True,
+        metadata=doc(
+            """The A/B check: balanced and plain slices of the same global batches run in turns
+            (``ab_windows`` windows each, ``check_rounds`` rounds) and balanced batches are kept only
+            if the median step is shorter by pacing's A/B rule (``min_gain_fraction``,
+            ``ab_noise_factor``); pacing and rebalancing wait for the verdict. ``False``: balanced
+            from the first step to the last, unchecked."""
+        ),
+    )
+    check_rounds: int = field(
+        default=2,
+        metadata=doc(
+            """Rounds of the A/B check, each one block of balanced windows and one of plain ones."""
+        ),
+    )
+    recheck_windows: int = field(
+        default=200,
+        metadata=doc(
+            """Windows after each verdict of the A/B check before it runs again (the input mix or the
+            cluster may have changed); 0: never again."""
+        ),
+    )
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            _fail(self._name("enabled"), self.enabled, "true or false")
+        for name in ("enabled", "verify"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(self._name(name), getattr(self, name), "true or false")
+        _positive_int(self, "check_rounds")
+        _positive_int(self, "recheck_windows", minimum=0)
         _choice(self, "cost", _BALANCE_COSTS)
         _choice(self, "layout", _BALANCE_LAYOUTS)
         _number(self, "quadratic_tokens", low=0.0, low_open=True)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from pace_strategy.core.balance_check import BalanceCheck, BalanceState, BalanceStep
 from pace_strategy.core.clock import Clock
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PaceDistributedError, PacingConfigError
@@ -119,7 +120,10 @@ class PacingControl:
 
 
 class RebalanceControl:
-    """Rebalancing as a component: from each window, the split of the global batch over the ranks.
+    """The share schedule's controller: from each window, the split of the global batch over the
+    ranks (rebalancing) and whether its samples are split by cost (balancing's A/B check,
+    :class:`~pace_strategy.core.balance_check.BalanceCheck`). While the check runs it alone decides:
+    rebalancing waits for its verdict, as pacing does.
 
     Inactive until the data pipeline attaches its share schedule (:meth:`attach`). A state restored
     before then is kept (checked) and applied at :meth:`attach`: the one buffer of restored state in
@@ -131,6 +135,8 @@ class RebalanceControl:
         self.rank = rank
         self.world_size = world_size
         self.policy: RebalancePolicy | None = None  #: ``None``: no schedule attached, or disabled
+        #: balancing's A/B check (``None``: no schedule attached, balancing off, or unchecked)
+        self.check: BalanceCheck | None = None
         self.schedule: ShareSchedule | None = None
         self.lookahead_steps = 0
         self._restored: Mapping[str, Any] | None = None  # a state loaded before attach
@@ -147,12 +153,15 @@ class RebalanceControl:
             raise ValueError(f"lookahead_steps must be an integer >= 0, got {lookahead_steps!r}")
         self.schedule = schedule
         self.lookahead_steps = lookahead_steps
-        if not self.config.rebalance.enabled:
+        if not self._active():
             return
         current = schedule.current
-        self.policy = RebalancePolicy(
-            self.config, schedule.global_batch, self.world_size, current.samples, current.from_step
-        )
+        if self.config.rebalance.enabled:
+            self.policy = RebalancePolicy(
+                self.config, schedule.global_batch, self.world_size, current.samples, current.from_step
+            )
+        if self._checks_balance():
+            self.check = BalanceCheck(self.config, current.from_step)
         restored, self._restored = self._restored, None
         if restored is not None:
             try:
@@ -160,9 +169,16 @@ class RebalanceControl:
             except PacingStateError as error:
                 log.warning("pace_strategy: rebalancing starts fresh from the even split: %s", error)
 
+    def _active(self) -> bool:
+        return bool(self.config.rebalance.enabled or self._checks_balance())
+
+    def _checks_balance(self) -> bool:
+        return bool(self.config.balance.enabled and self.config.balance.verify)
+
     def decide(self, window: WindowInput, index: int) -> RebalanceDecision | None:
-        """Window ``index``'s decision; a new split goes into the schedule. ``None``: not rebalancing."""
-        if self.policy is None or self.schedule is None:
+        """Window ``index``'s decision; a new split or arm goes into the schedule. ``None``: neither
+        rebalancing nor balancing's check runs."""
+        if self.schedule is None or not (self.policy or self.check):
             if self.config.rebalance.enabled and not self._warned_unattached:
                 self._warned_unattached = True
                 log.warning(
@@ -175,18 +191,53 @@ class RebalanceControl:
         start = first_boundary(
             window.last_step, self.config.exchange_every_steps, window.after_step + self.lookahead_steps + 2
         )
+        if self.check is not None:
+            measure = window.measure
+            if measure is None:
+                measure = measure_window(window.gathered, self.schedule.global_batch, window.stats.usable)
+            step = self.check.update(measure, start)
+            if self.check.deciding or step.from_step is not None or self.policy is None:
+                decision = self._balance_decision(index, step)
+                self._schedule(decision)
+                return decision
+        assert self.policy is not None
         current = self.schedule.current
         self.policy.follow(current.from_step, current.samples)  # a split added by someone else
         decision = self.policy.update(window.gathered, index, start, window.measure)
+        if self.config.balance.enabled:
+            decision = dataclasses.replace(decision, balanced=current.balanced)
         self._schedule(decision)
         return decision
 
+    def _balance_decision(self, index: int, step: BalanceStep) -> RebalanceDecision:
+        """The check's step as the schedule's decision: the split in effect, the arm it decided."""
+        assert self.schedule is not None
+        if step.state is BalanceState.TRIAL:
+            state = RebalanceState.TRIAL  # (pacing is held by it)
+        else:
+            state = RebalanceState.WATCH if self.policy is None else self.policy.state
+        return RebalanceDecision(
+            window=index,
+            state=state,
+            shares=self.schedule.current.samples,
+            reason=step.reason,
+            from_step=step.from_step,
+            changed=step.changed,
+            baseline_step_ms=step.plain_step_ms,
+            trial_step_ms=step.balanced_step_ms,
+            balanced=step.balanced,
+            balance=step.state.value,
+        )
+
     def prepare(self, gathered: torch.Tensor, stats: WindowStats) -> WindowMeasure | str | None:
         """What :meth:`decide` measures of a window, from the window alone (no state: any thread may
-        take it); ``None`` when this run is not rebalanced."""
-        if self.policy is None or self.schedule is None or self.policy.state is RebalanceState.OFF:
+        take it); ``None`` when nothing measures it."""
+        if self.schedule is None:
+            return None
+        rebalancing = self.policy is not None and self.policy.state is not RebalanceState.OFF
+        if not rebalancing and self.check is None:
             return None  # (OFF: the policy measures nothing any more)
-        return measure_window(gathered, self.policy.global_batch, stats.usable)
+        return measure_window(gathered, self.schedule.global_batch, stats.usable)
 
     def follow(self, decision: RebalanceDecision) -> None:
         """A decision taken by the node leader: its new split into this rank's schedule."""
@@ -196,8 +247,9 @@ class RebalanceControl:
     def _schedule(self, decision: RebalanceDecision) -> None:
         assert self.schedule is not None
         if decision.from_step is not None:
+            balanced = self.schedule.current.balanced if decision.balanced is None else decision.balanced
             try:
-                self.schedule.add(decision.from_step, decision.shares, decision.reason)
+                self.schedule.add(decision.from_step, decision.shares, decision.reason, balanced=balanced)
             except ValueError as error:
                 raise PaceDistributedError(
                     self.rank,
@@ -215,6 +267,8 @@ class RebalanceControl:
         steps did not run at yet), or ``None``."""
         if decision is None or self.schedule is None:
             return None
+        if decision.balance == BalanceState.TRIAL.value:
+            return "balancing's A/B check is running"
         if decision.state is RebalanceState.TRIAL:
             return f"a rebalancing trial of the split {list(decision.shares)} is running"
         current = self.schedule.current
@@ -223,20 +277,25 @@ class RebalanceControl:
         return None
 
     def state_dict(self) -> dict[str, Any] | None:
-        """The controller's state (``None``: not rebalancing). The schedule's entries are the data
-        pipeline's to save (the sampler's state), not repeated here."""
-        if self.policy is None:
+        """The controller's state (``None``: neither rebalancing nor balancing's check runs). The
+        schedule's entries are the data pipeline's to save (the sampler's state), not repeated here."""
+        if self.policy is None and self.check is None:
             return None
-        return {"version": STATE_VERSION, "policy": self.policy.state_dict()}
+        state: dict[str, Any] = {"version": STATE_VERSION}
+        if self.policy is not None:
+            state["policy"] = self.policy.state_dict()
+        if self.check is not None:
+            state["balance"] = self.check.state_dict()
+        return state
 
-    def check(self, state: Mapping[str, Any]) -> None:
+    def check_state(self, state: Mapping[str, Any]) -> None:
         """Raise :class:`PacingStateError` if ``state`` would not restore (nothing changes)."""
-        if self.schedule is not None and self.config.rebalance.enabled:
+        if self.schedule is not None and self._active():
             self._restorer(state)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore now if a schedule is attached, else keep the state for :meth:`attach`."""
-        if self.schedule is not None and self.config.rebalance.enabled:
+        if self.schedule is not None and self._active():
             self._restorer(state)()
         else:
             self._restored = state
@@ -246,7 +305,9 @@ class RebalanceControl:
         of a state written before the sampler owned them). Raises :class:`PacingStateError`."""
         schedule = self.schedule
         assert schedule is not None
-        s = check_state(state, "the rebalancing state", {"policy": dict})
+        s = check_state(state, "the rebalancing state", {})
+        if self.policy is None and self.config.rebalance.enabled and not isinstance(s.get("policy"), dict):
+            raise PacingStateError("the rebalancing state has no 'policy' field: not a rebalancing state")
         try:
             # written by pace_strategy before the schedule had one owner; the sampler's state holds them now
             entries: list[dict[str, Any]] = [
@@ -259,11 +320,18 @@ class RebalanceControl:
             ]
         except (TypeError, ValueError, KeyError) as error:
             raise PacingStateError(f"the rebalancing state's entries do not load: {error}") from error
-        policy = RebalancePolicy(self.config, schedule.global_batch, self.world_size)
-        policy.load_state_dict(s["policy"])
+        policy = None
+        if self.config.rebalance.enabled and "policy" in s:
+            policy = RebalancePolicy(self.config, schedule.global_batch, self.world_size)
+            policy.load_state_dict(s["policy"])
+        check = None
+        if self._checks_balance() and "balance" in s:
+            check = BalanceCheck(self.config)
+            check.load_state_dict(s["balance"])
 
         def restore() -> None:
-            self.policy = policy
+            self.policy = policy if policy is not None else self.policy
+            self.check = check if check is not None else self.check
             # the start entry is held already
             schedule.restore([e for e in entries if e["from_step"] > schedule.current.from_step])
 

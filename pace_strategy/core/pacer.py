@@ -587,7 +587,7 @@ class Pacer:
         s = check_state(state, "the pacer's state", {"window": int, "policy": dict})
         rebalance = s.get("rebalance")
         if rebalance is not None:
-            self.controllers.rebalance.check(rebalance)  # before anything changes
+            self.controllers.rebalance.check_state(rebalance)  # before anything changes
         self.controllers.pacing.load_state_dict(s["policy"])
         self._window = s["window"]
         self._delay_ms = self.controllers.pacing.decision.delays_ms[self.rank]

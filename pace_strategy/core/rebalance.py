@@ -123,6 +123,14 @@ class RebalanceDecision:
     baseline_step_ms: float | None = None  #: median step time at the split a trial replaced, ms
     trial_step_ms: float | None = None  #: median step time of the trial, ms (at its verdict)
     per_sample_ms: tuple[float, ...] = ()  #: latest per-rank median compute time per sample, ms
+    #: where cost-balanced batches are on: whether the split's samples are balanced by cost (the
+    #: latest arm of the schedule); ``None``: balancing off
+    balanced: bool | None = None
+    #: a decision of balancing's A/B check: its state
+    #: (:class:`~pace_strategy.core.balance_check.BalanceState`: ``"trial"``, ``"kept"``,
+    #: ``"dropped"``); at its verdict ``baseline_step_ms`` is the plain arm's median step and
+    #: ``trial_step_ms`` the balanced arm's. ``None``: a decision of rebalancing
+    balance: str | None = None
 
 
 @dataclass(frozen=True)

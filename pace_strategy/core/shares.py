@@ -39,11 +39,15 @@ def even_shares(global_batch: int, world_size: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class SharesEntry:
-    """From step ``from_step`` on (inclusive), rank ``r`` trains on ``samples[r]`` samples per step."""
+    """From step ``from_step`` on (inclusive), rank ``r`` trains on ``samples[r]`` samples per step;
+    ``balanced``: where cost-balanced batches are on (``balance.enabled``), the step's samples are
+    split by their cost (``False``: cut in slices by ``samples``, the plain arm of balancing's A/B
+    check, or balancing dropped by it)."""
 
     from_step: int
     samples: tuple[int, ...]
     reason: str = ""
+    balanced: bool = True
 
 
 class ShareSchedule:
@@ -74,8 +78,12 @@ class ShareSchedule:
 
     def shares_for_step(self, step: int) -> tuple[int, ...]:
         """The per-rank sample counts of ``step``."""
+        return self.entry_for_step(step).samples
+
+    def entry_for_step(self, step: int) -> SharesEntry:
+        """The entry ``step`` runs at (its shares, and whether its samples are cost-balanced)."""
         with self._lock:
-            return self._entries[bisect.bisect_right(self._starts, step) - 1].samples
+            return self._entries[bisect.bisect_right(self._starts, step) - 1]
 
     def note_built(self, step: int) -> None:
         """The data pipeline has built the batch of ``step`` (its shares are now fixed)."""
@@ -100,18 +108,21 @@ class ShareSchedule:
             return tuple(self._entries)
 
     def restore(self, entries: Sequence[Mapping[str, Any]]) -> None:
-        """Re-add checkpointed entries (``{"from_step", "samples", "reason"}``) before the pipeline has
-        built a step; entries already held are skipped, so restoring twice is harmless."""
-        held = {(e.from_step, e.samples) for e in self.entries}
+        """Re-add checkpointed entries (``{"from_step", "samples", "reason", "balanced"}``) before the
+        pipeline has built a step; entries already held are skipped, so restoring twice is harmless."""
+        held = {(e.from_step, e.samples, e.balanced) for e in self.entries}
         for entry in entries:
-            key = (int(entry["from_step"]), tuple(int(s) for s in entry["samples"]))
+            samples = tuple(int(s) for s in entry["samples"])
+            key = (int(entry["from_step"]), samples, bool(entry.get("balanced", True)))
             if key not in held:
-                self.add(key[0], key[1], str(entry.get("reason", "")))
+                self.add(key[0], key[1], str(entry.get("reason", "")), balanced=key[2])
 
-    def add(self, from_step: int, samples: Sequence[int], reason: str = "") -> SharesEntry:
+    def add(
+        self, from_step: int, samples: Sequence[int], reason: str = "", *, balanced: bool = True
+    ) -> SharesEntry:
         """Append an entry. Raises ``ValueError`` if ``from_step`` is not after every built step and after
         the latest entry's start, or if the shares do not split the global batch."""
-        entry = SharesEntry(from_step, tuple(int(s) for s in samples), reason)
+        entry = SharesEntry(from_step, tuple(int(s) for s in samples), reason, balanced)
         self._check(entry.samples)
         with self._lock:
             if from_step <= self._built or from_step <= self._starts[-1]:

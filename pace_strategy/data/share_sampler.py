@@ -136,6 +136,8 @@ class ShareBatchSampler(Sampler[list[int]]):
             ranks' weights) into each rank's batch by their cost instead of cutting the slice by the
             shares (cost-balanced batches, :class:`~pace_strategy.data.balance.Balancer`); the ranks'
             sample counts then follow from it. The same function of the same indices on every rank.
+            Steps whose schedule entry is not ``balanced`` (the plain arm of balancing's A/B check)
+            are cut by the shares instead.
     """
 
     def __init__(
@@ -255,8 +257,9 @@ class ShareBatchSampler(Sampler[list[int]]):
             step = start + i // self.micro_batches
             # Noted before the shares are read: an entry added from now on starts after this step.
             self.schedule.note_built(step)
-            shares = self.schedule.shares_for_step(step)
-            if self.balancer is not None:
+            entry = self.schedule.entry_for_step(step)
+            shares = entry.samples
+            if self.balancer is not None and entry.balanced:
                 parts = self.balancer(self._chunk(order, i), shares)
                 shares = tuple(len(b) for b in parts)
                 batch = parts[self.rank]
@@ -314,7 +317,12 @@ class ShareBatchSampler(Sampler[list[int]]):
             "global_batch": self.schedule.global_batch,
             "world_size": self.schedule.world_size,
             "entries": [
-                {"from_step": e.from_step, "samples": list(e.samples), "reason": e.reason}
+                {
+                    "from_step": e.from_step,
+                    "samples": list(e.samples),
+                    "reason": e.reason,
+                    "balanced": e.balanced,
+                }
                 for e in self.schedule.entries
             ],
         }

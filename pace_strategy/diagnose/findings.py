@@ -21,7 +21,7 @@ from pace_strategy.diagnose.rank_checks import (
     locality,
     persistent_or_late_start,
 )
-from pace_strategy.diagnose.rebalance import RebalanceOutcome, rebalance_outcome
+from pace_strategy.diagnose.rebalance import RebalanceOutcome, balance_outcome, rebalance_outcome
 from pace_strategy.diagnose.result import MODES, Diagnosis, Finding, Mode, pct, projection_text
 from pace_strategy.diagnose.run_stats import (
     EPSILON,
@@ -197,7 +197,7 @@ def diagnose_run(
 
 def _record_notes(a: RunLines) -> list[str]:
     """What the record itself says before any number is read: how the run ended, its schema, where
-    it came from, its hangs and restarts."""
+    it came from, its hangs and restarts, the verdict of balancing's A/B check."""
     notes = []
     if a.truncated:
         notes.append(
@@ -234,6 +234,9 @@ def _record_notes(a: RunLines) -> list[str]:
         )
         notes.append(f"imported from {imported.get('source')} ({imported.get('format')}): {how}")
     notes += [f"hang: {hang_text(h)}" for h in a.hangs]
+    balanced = balance_outcome(a)
+    if balanced is not None:
+        notes.append(balanced.text())
     if a.hangs:
         notes += hang_evidence_notes(a.path)
     return notes + _restart_notes(a)
@@ -280,7 +283,9 @@ def _no_finding(run: RunStats, total_lost: float, jitter: float) -> Finding:
 def _run_stats(a: RunLines, run: RunStats, total_lost: float, jitter: float) -> dict[str, Any]:
     """The diagnosis's ``stats``: the run's numbers a reader compares runs by."""
     mean_step = float(a.step_ms.mean())
+    balanced = balance_outcome(a)
     return {
+        **({"balance": balanced.to_dict()} if balanced is not None else {}),
         "steps": run.S,
         "total_steps": a.total_steps,
         "world_size": run.W,

@@ -1,5 +1,6 @@
-"""What a run record says about rebalancing: the splits tried, kept and reverted, and the step time the
-kept split recovered, measured on the record's own steps at the same global batch."""
+"""What a run record says about rebalancing and cost-balanced batches: the splits tried, kept and
+reverted, and the step time the kept split recovered, measured on the record's own steps at the same
+global batch; the verdicts of balancing's A/B check and the step time balanced batches recovered."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pace_strategy.core.config import recorded_switch
 from pace_strategy.diagnose.result import pct
 from pace_strategy.telemetry.arrays import RunArrays, RunLines
 
-__all__ = ["RebalanceOutcome", "per_sample_text", "rebalance_outcome"]
+__all__ = ["BalanceOutcome", "RebalanceOutcome", "balance_outcome", "per_sample_text", "rebalance_outcome"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class RebalanceOutcome:
 def rebalance_outcome(a: RunLines) -> RebalanceOutcome | None:
     """The run's rebalancing, or ``None`` when it was off and left no ``shares`` line."""
     enabled = recorded_switch(a.header.get("config"), "rebalance")
-    lines = a.shares
+    lines = [line for line in a.shares if line.get("balance") is None]  # (not balancing's check)
     if not enabled and not lines:
         return None
     starts = [line for line in lines if line["from_step"] is not None]  # every split scheduled
@@ -121,6 +122,59 @@ def rebalance_outcome(a: RunLines) -> RebalanceOutcome | None:
         reverted=reverted,
         off=off,
         last_reason=last_reason,
+    )
+
+
+@dataclass(frozen=True)
+class BalanceOutcome:
+    """The last verdict of balancing's A/B check in a run (its ``shares`` lines with ``balance``)."""
+
+    kept: bool  #: balanced batches stayed
+    plain_ms: float  #: median step time of the plain arm's windows, ms
+    balanced_ms: float  #: median step time of the balanced arm's windows, ms
+    verdicts: int  #: verdicts in the record (one per check)
+    after_step: int  #: the verdict was taken after this step
+    reason: str  #: the verdict in words
+
+    @property
+    def recovered_fraction(self) -> float:
+        """Step time balanced batches saved, a fraction of the plain step (negative: they cost)."""
+        return 1.0 - self.balanced_ms / self.plain_ms if self.plain_ms > 0 else 0.0
+
+    def text(self) -> str:
+        said = (
+            f"the step took {self.balanced_ms:.1f} ms balanced against {self.plain_ms:.1f} ms in plain "
+            f"slices of the same global batches (medians of the check's windows, verdict after step "
+            f"{self.after_step}, {self.verdicts} verdict(s) in the run)"
+        )
+        if self.kept:
+            return (
+                f"cost-balanced batches kept by their A/B check: {said}: {pct(self.recovered_fraction)} of "
+                f"the step recovered, {self.plain_ms / self.balanced_ms - 1:+.1%} samples/s"
+            )
+        return f"cost-balanced batches dropped by their A/B check: {said}; {self.reason.rsplit(': ', 2)[-2]}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "recovered_fraction": self.recovered_fraction}
+
+
+def balance_outcome(a: RunLines) -> BalanceOutcome | None:
+    """The last verdict of balancing's A/B check, or ``None`` when the record has none."""
+    verdicts = [
+        line
+        for line in a.shares
+        if line.get("balance") in ("kept", "dropped") and line["trial_step_ms"] is not None
+    ]
+    if not verdicts:
+        return None
+    last = verdicts[-1]
+    return BalanceOutcome(
+        kept=last["balance"] == "kept",
+        plain_ms=float(last["baseline_step_ms"]),
+        balanced_ms=float(last["trial_step_ms"]),
+        verdicts=len(verdicts),
+        after_step=int(last["after_step"]),
+        reason=str(last["reason"]),
     )
 
 

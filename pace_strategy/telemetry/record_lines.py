@@ -174,6 +174,11 @@ class SharesLine(Line):
     baseline_step_ms: Number
     trial_step_ms: Number
     per_sample_ms: list[Number] = field(default_factory=list)
+    #: with cost-balanced batches on: whether the split's samples are balanced by cost
+    balanced: bool | None = field(default=None, metadata=OMIT)
+    #: balancing's A/B check: "trial", "kept" or "dropped" (at a verdict ``baseline_step_ms`` is the
+    #: plain arm's median step and ``trial_step_ms`` the balanced arm's)
+    balance: str | None = field(default=None, metadata=OMIT)
 
 
 @dataclass

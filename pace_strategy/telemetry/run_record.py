@@ -206,6 +206,8 @@ def shares_line(d: RebalanceDecision, after_step: int) -> SharesLine:
         baseline_step_ms=d.baseline_step_ms,
         trial_step_ms=d.trial_step_ms,
         per_sample_ms=_cleans(d.per_sample_ms),
+        balanced=d.balanced,
+        balance=d.balance,
     )
 
 

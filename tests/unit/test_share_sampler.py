@@ -287,3 +287,31 @@ def test_batches_per_step_beyond_the_accumulation_are_refused():
     next(it)
     with pytest.raises(PacingConfigError, match="one batch per optimizer step"):
         rebalance.begin_batch()
+
+
+def test_steps_of_the_plain_arm_are_cut_in_slices_and_the_arm_survives_a_resume():
+    # balancing's A/B check switches the schedule between balanced and plain slices of the same
+    # global batches: the sampler follows each step's entry, and its state carries the arms
+    lengths = [(37 * i) % 101 + 1 for i in range(40)]
+
+    def by_length(indices, shares):  # a stand-in balancer: the longest samples to rank 0
+        order = sorted(indices, key=lambda i: -lengths[i])
+        return [order[: shares[0] // 2], order[shares[0] // 2 :]]
+
+    schedule = ShareSchedule(8, 2)
+    schedule.add(2, (4, 4), "A/B plain arm", balanced=False)
+    schedule.add(4, (4, 4), "A/B balanced arm", balanced=True)
+    samplers = [ShareBatchSampler(range(40), schedule, r, seed=3, balancer=by_length) for r in (0, 1)]
+    steps = _epoch(samplers)
+    order = samplers[0].permutation(0).tolist()
+    for t, (a, b) in enumerate(steps):
+        chunk = order[t * 8 : (t + 1) * 8]
+        if t in (2, 3):
+            assert (a, b) == (chunk[:4], chunk[4:]), t  # plain: rank r takes slice r
+        else:
+            assert (len(a), len(b)) == (2, 6) and sorted(a + b) == sorted(chunk), t
+    state = samplers[0].state_dict()
+    assert [e["balanced"] for e in state["entries"]] == [True, False, True]
+    fresh = ShareSchedule(8, 2)
+    ShareBatchSampler(range(40), fresh, 0, seed=3).load_state_dict(state)
+    assert [(e.from_step, e.balanced) for e in fresh.entries] == [(0, True), (2, False), (4, True)]
