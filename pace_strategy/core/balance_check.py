@@ -12,10 +12,10 @@ themselves (docs/balancing.md, "The A/B check"):
   window boundary that no rank's data pipeline has built yet, so every rank switches at the same step
   (the share schedule's rule). A window counts for an arm only when all its steps ran at that arm,
   past warm-up and unpaced (pacing is held while the check runs).
-- **Verdict.** The median step time (slowest rank) of the balanced windows against that of the plain
-  windows, by pacing's A/B rule: kept only if it is shorter by ``min_gain_fraction`` of the plain
-  step and by ``ab_noise_factor`` times the comparison's noise (the plain windows' own spread).
-  Otherwise plain slices stay for the run, or until the next check.
+- **Verdict.** The median over the balanced windows of each window's median step time (slowest
+  rank) against the same of the plain windows, by pacing's A/B rule: kept only if it is shorter by
+  ``min_gain_fraction`` of the plain step and by ``ab_noise_factor`` times the comparison's noise
+  (the plain windows' own spread). Otherwise plain slices stay for the run, or until the next check.
 - **Again later.** With ``balance.recheck_windows`` > 0 the check runs again that many windows
   after each verdict: the input mix, the model's speed or the cluster may have changed.
 
@@ -96,9 +96,12 @@ class BalanceCheck:
         """The check is running: pacing and rebalancing wait for its verdict."""
         return self.state is BalanceState.TRIAL
 
-    def update(self, m: WindowMeasure | str, from_step: int) -> BalanceStep:
+    def update(self, m: WindowMeasure | str, from_step: int, step_ms: float | None = None) -> BalanceStep:
         """Consume one window's measure; a switch of arm, if any, starts at ``from_step`` (a window
-        boundary past every step a data pipeline may have built, the same on every rank)."""
+        boundary past every step a data pipeline may have built, the same on every rank).
+        ``step_ms``: the window's median step time (slowest rank), what the arms are compared by, as
+        pacing's A/B check compares window medians (a hiccup of one step does not move it);
+        ``None``: the measure's mean step."""
         if self.state is not BalanceState.TRIAL:
             return self._after_verdict(from_step)
         if isinstance(m, str):
@@ -107,7 +110,7 @@ class BalanceCheck:
             return self._keep(f"waiting for the {self._arm()} arm from step {self._since}")
         if m.paced:
             return self._keep("a paced window is not counted")
-        self._ms[self.balanced].append(m.step_ms)
+        self._ms[self.balanced].append(m.step_ms if step_ms is None else step_ms)
         self._counted += 1
         windows = self.config.ab_windows
         total = 2 * self.config.balance.check_rounds

@@ -195,7 +195,7 @@ class RebalanceControl:
             measure = window.measure
             if measure is None:
                 measure = measure_window(window.gathered, self.schedule.global_batch, window.stats.usable)
-            step = self.check.update(measure, start)
+            step = self.check.update(measure, start, window.stats.median_step_ms)
             if self.check.deciding or step.from_step is not None or self.policy is None:
                 decision = self._balance_decision(index, step)
                 self._schedule(decision)
