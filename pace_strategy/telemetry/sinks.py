@@ -59,8 +59,9 @@ MAX_TAG_BACKLOG_WINDOWS = 4
 
 
 class TagSink:
-    """The ``pace/`` tags of every step through the framework's logger and, once before them, the
-    TensorBoard dashboard layout (``dashboard``: e.g. a writer's ``add_custom_scalars``)."""
+    """The ``pace/`` tags of every ``every_steps``-th step through the framework's logger and, once
+    before them, the TensorBoard dashboard layout (``dashboard``: e.g. a writer's
+    ``add_custom_scalars``)."""
 
     def __init__(
         self,
@@ -70,8 +71,10 @@ class TagSink:
         world_size: int,
         per_rank_tag_limit: int,
         batch_shares: bool,
+        every_steps: int = 1,
     ) -> None:
         self._metrics = metrics
+        self._every = every_steps
         self._dashboard = dashboard
         self._world_size = world_size
         self._limit = per_rank_tag_limit
@@ -86,6 +89,8 @@ class TagSink:
                 log.warning("pace_strategy: could not write the TensorBoard dashboard layout", exc_info=True)
         if self._metrics is not None and window.tags:
             for summary in window.summaries:
+                if summary.step % self._every:
+                    continue
                 self._metrics(
                     step_metrics(summary, self._limit, batch_shares=self._batch_shares), summary.step
                 )
@@ -286,7 +291,12 @@ class Publisher:
             limit, shares = config.per_rank_tag_limit, config.rebalance.enabled
             sinks.append(
                 TagSink(
-                    metrics, dashboard, world_size=world_size, per_rank_tag_limit=limit, batch_shares=shares
+                    metrics,
+                    dashboard,
+                    world_size=world_size,
+                    per_rank_tag_limit=limit,
+                    batch_shares=shares,
+                    every_steps=config.tag_every_steps,
                 )
             )
         if record is not None:

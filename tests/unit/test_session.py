@@ -45,6 +45,22 @@ def test_every_step_reaches_the_metrics_sink_and_the_run_record(tmp_path):
     assert session.publisher.publish_ns > 0  # the telemetry thread ran
 
 
+def test_tag_every_steps_thins_the_tags_and_never_the_record(tmp_path):
+    logged: dict[int, dict] = {}
+    session = _session(
+        tmp_path,
+        log_dir=tmp_path,
+        metrics_sink=lambda m, step: logged.update({step: m}),
+        config={"tag_every_steps": 5},
+    )
+    _train(session, 23)
+    session.finish()
+    assert sorted(logged) == [0, 5, 10, 15, 20]  # multiples of 5, across window boundaries
+    assert [s["step"] for s in read_run_record(tmp_path).steps] == list(range(23))
+    with pytest.raises(ValueError, match="tag_every_steps"):
+        PacingConfig(tag_every_steps=0)
+
+
 def test_a_sink_of_our_own_gets_every_window_off_the_training_thread_and_is_closed(tmp_path):
     import threading
 
