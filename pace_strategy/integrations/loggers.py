@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from pace_strategy.integrations.dashboard import is_tensorboard_logger
+from pace_strategy.integrations.dashboard import add_scalars, is_tensorboard_logger
 from pace_strategy.telemetry.sinks import MetricsSink
 
 __all__ = ["LOCKED_METHODS", "loggers_sink"]
@@ -34,7 +34,10 @@ def loggers_sink(loggers: Iterable[Any]) -> tuple[MetricsSink | None, Callable[[
 
     def sink(metrics: Mapping[str, float], step: int) -> None:
         for logger in loggers:
-            logger.log_metrics(dict(metrics), step=step)
+            if is_tensorboard_logger(logger) and not getattr(logger, "_prefix", ""):
+                add_scalars(logger.experiment, metrics, step)  # one event per step, not one per tag
+            else:
+                logger.log_metrics(dict(metrics), step=step)
 
     def unlock() -> None:
         while undo:

@@ -89,3 +89,53 @@ def test_tensorboard_s_loggers_are_left_unlocked(tmp_path):
     assert sink is not None and not any(name in vars(logger) for name in LOCKED_METHODS)
     unlock()
     assert loggers_sink([])[0] is None
+
+
+def _events(log_dir):
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    return [
+        e
+        for path in sorted(log_dir.rglob("events.out.tfevents.*"))
+        for e in EventFileLoader(str(path)).Load()
+    ]
+
+
+def test_a_tensorboard_logger_gets_each_step_as_one_event_read_back_as_every_tag(tmp_path):
+    # One event per step instead of one per tag (each a hand-over to the writer's thread), read back
+    # by TensorBoard exactly as add_scalar's one-per-tag events are
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    metrics = {"pace/skew_ms": 1.5, "pace/step_ms": 20.25, "pace/lead_ms/rank_1": 0.0}
+    ours, stock = TensorBoardLogger(tmp_path / "ours"), TensorBoardLogger(tmp_path / "stock")
+    sink, _ = loggers_sink([ours])
+    assert sink is not None
+    for step in range(5):
+        sink(metrics, step)
+        stock.log_metrics(metrics, step=step)
+    ours.finalize("success")
+    stock.finalize("success")
+    scalars = {}
+    for name, logger in (("ours", ours), ("stock", stock)):
+        acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0})
+        acc.Reload()
+        scalars[name] = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+    assert scalars["ours"] == scalars["stock"] and len(scalars["ours"]) == 3
+    assert all(len(v) == 5 for v in scalars["ours"].values())
+    with_values = [e for e in _events(tmp_path / "ours") if e.summary.value]
+    assert len(with_values) == 5 and all(len(e.summary.value) == 3 for e in with_values)
+
+
+def test_a_prefixed_tensorboard_logger_keeps_its_prefix(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorBoardLogger(tmp_path, prefix="train")
+    sink, _ = loggers_sink([logger])
+    assert sink is not None
+    sink({"pace/skew_ms": 1.5}, 3)
+    logger.finalize("success")
+    acc = EventAccumulator(logger.log_dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    assert acc.Tags()["scalars"] == ["train-pace/skew_ms"]
