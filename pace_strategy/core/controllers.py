@@ -203,7 +203,8 @@ class RebalanceControl:
         assert self.policy is not None
         current = self.schedule.current
         self.policy.follow(current.from_step, current.samples)  # a split added by someone else
-        decision = self.policy.update(window.gathered, index, start, window.measure)
+        balanced = self.config.balance.enabled and self.schedule.entry_for_step(window.last_step).balanced
+        decision = self.policy.update(window.gathered, index, start, window.measure, balanced)
         if self.config.balance.enabled:
             decision = dataclasses.replace(decision, balanced=current.balanced)
         self._schedule(decision)

@@ -33,6 +33,7 @@ the imbalance under the kept split triggers a new proposal and a new trial again
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import statistics
 from collections.abc import Mapping, Sequence
@@ -58,6 +59,7 @@ __all__ = [
     "first_boundary",
     "measure_window",
     "memory_caps",
+    "per_share",
     "resolve_quantum",
 ]
 
@@ -207,6 +209,20 @@ def measure_window(
     )
 
 
+def per_share(m: WindowMeasure, shares: Sequence[int]) -> WindowMeasure:
+    """``m`` read per share instead of per sample: with cost-balanced batches the balancer gives each
+    rank a predicted cost in proportion to its share (its weight), whatever the counts, so a rank's
+    compute over its share is its time per unit of work, as compute over samples is for equal-cost
+    samples. The window is taken to run at ``shares`` (the counts say nothing about it)."""
+    shares = tuple(shares)
+    return dataclasses.replace(
+        m,
+        shares=shares,
+        uniform=True,
+        per_sample_ms=tuple(c / (s * m.batches) for c, s in zip(m.compute_ms, shares, strict=True)),
+    )
+
+
 def first_boundary(window_last_step: int, every_steps: int, not_before: int) -> int:
     """The first window boundary (a window's first step: ``window_last_step + 1 + m * every_steps``)
     at or after step ``not_before``."""
@@ -316,17 +332,27 @@ class RebalancePolicy:
         return True
 
     def update(
-        self, gathered: torch.Tensor, window: int, from_step: int, measured: WindowMeasure | str | None = None
+        self,
+        gathered: torch.Tensor,
+        window: int,
+        from_step: int,
+        measured: WindowMeasure | str | None = None,
+        balanced: bool = False,
     ) -> RebalanceDecision:
         """Consume one gathered window; a new split, if any, starts at ``from_step`` (a window boundary
         after every step the data pipeline may have built, the same on every rank). ``measured``: the
         window's :func:`measure_window` at this policy's global batch, when the caller took it already
-        (a Pacer does, on its window side thread)."""
+        (a Pacer does, on its window side thread). ``balanced``: the window's samples were split by
+        their cost with the shares as the ranks' weights (cost-balanced batches), so a rank's count
+        varies from step to step while its predicted cost follows its share: its compute is read per
+        share (:func:`per_share`), not per sample."""
         if self.state is RebalanceState.OFF:
             return self._keep(window, self._last.reason)
         m = measure_window(gathered, self.global_batch) if measured is None else measured
         if isinstance(m, str):
             return self._keep(window, f"{m}: split unchanged")
+        if balanced:
+            m = per_share(m, self._shares)
         if m.first_step < self._since:  # the window ran (at least partly) before the split took over
             return self._keep(window, f"waiting for the split {_split(self._shares)} from step {self._since}")
         if not m.uniform or m.shares != self._shares:

@@ -234,3 +234,75 @@ def test_unchecked_balancing_stays_on_and_writes_no_check_line(tmp_path):
     (entries, decisions, _), _ = closed_loop(0.0, tmp_path, steps=8 * K, cfg=cfg)
     assert entries == [(0, True)] and all(d is None for d in decisions)
     assert read_run_record(tmp_path).shares == []
+
+
+# ---------------------------------------------------------------------- with rebalancing
+def balanced_rebalanced_loop(rank, group, steps, lookahead=3):
+    """Rebalancing and cost-balanced batches together (unchecked), 2 ranks, 64 samples a step: the
+    balancer gives each rank a cost in proportion to its share, in counts that vary with the lengths
+    drawn (here 60-140% of the share); rank 1's device takes 2x as long per unit of cost."""
+    cfg = PacingConfig(
+        mode="monitor",
+        rebalance={"enabled": True, "quantum": 8, "cooldown_windows": 4},
+        balance={"enabled": True, "verify": False},
+        exchange_every_steps=K,
+        warmup_steps=2,
+    )
+    clock = ManualClock()
+    session = PacingSession(
+        cfg,
+        rank=rank,
+        world_size=2,
+        device=torch.device("cpu"),
+        group=group,
+        framework="test",
+        topology=[{"rank": r, "host": "h0", "local_rank": r, "node_rank": 0} for r in range(2)],
+        clock=clock,
+    )
+    schedule = ShareSchedule(64, 2)
+    session.pacer.attach_shares(schedule, lookahead)
+    built = {}
+    for t in range(steps + lookahead + 1):
+        if t <= lookahead:
+            built[t] = schedule.shares_for_step(t)
+            schedule.note_built(t)
+    decisions = []
+    for t in range(steps):
+        shares = built.pop(t)
+        built[t + lookahead + 1] = schedule.shares_for_step(t + lookahead + 1)
+        schedule.note_built(t + lookahead + 1)
+        skew = random.Random(t).uniform(0.6, 1.4)  # the lengths drawn move the counts, not the costs
+        counts = [round(shares[0] * skew), 0]
+        counts[1] = 64 - counts[0]
+        compute = [
+            (0.5, 1.0)[r] * shares[r] * (1.0 + random.Random(f"{r}/{t}").uniform(-0.02, 0.02))
+            for r in range(2)
+        ]
+        end = max(compute) + 3.0
+        session.pacer.begin_step(t)
+        session.pacer.set_samples(counts[rank])
+        clock.advance(compute[rank])
+        session.pacer.enter_sync(bucketed=False)
+        clock.advance(end - compute[rank])
+        session.pacer.sync_done()
+        clock.advance(1.0)
+        result = session.end_step()
+        if result is not None:
+            decisions.append(result.rebalance)
+    session.finish()
+    return [(e.from_step, e.samples) for e in schedule.entries], decisions
+
+
+@pytest.mark.timeout(60)
+def test_rebalancing_reads_balanced_steps_per_share_and_moves_work_to_the_faster_rank():
+    # Per sample, the counts would say nothing (they follow the lengths); per share, rank 1 is 2x
+    # slower: the split moves to the one proportional to speed and is kept, on every rank alike
+    (entries, decisions), (entries1, _) = raise_first(
+        run_ranks(2, lambda rank, group: balanced_rebalanced_loop(rank, group, 16 * K))
+    )
+    assert entries == entries1 and entries[-1][1] == (40, 24), entries
+    assert not any(d.state.value == "off" for d in decisions), [
+        d.reason for d in decisions if d.state.value == "off"
+    ]
+    kept = [d for d in decisions if d.changed and "kept" in d.reason]
+    assert kept and kept[-1].balanced is True and kept[-1].per_sample_ms[1] > 1.8 * kept[-1].per_sample_ms[0]
