@@ -50,6 +50,10 @@ PACING = {"rebalance": {"enabled": True, "persist_windows": 10_000}, "exchange_e
 #: cost-balanced batches alone (padded: the split gives the ranks unequal counts), every step: the
 #: A/B check, which would run plain slices for some steps, is tested in tests/unit/test_balance_check.py
 BALANCE = {"balance": {"enabled": True, "layout": "padded", "verify": False}, "exchange_every_steps": 4}
+#: the same with balancing's A/B check on ("balanced_checked", Lightning): arms of 2 windows of 4 steps
+CHECKED = {**BALANCE, "balance": {**BALANCE["balance"], "verify": True}, "warmup_steps": 1}
+#: epochs of the checked fit: room for the check's four arms and its verdict (7 steps an epoch)
+CHECKED_EPOCHS = 12
 
 
 def lengths(samples: int) -> list[int]:
@@ -116,6 +120,8 @@ def fit(name: str, out: Path) -> None:
         strategy = PacedDDPStrategy(pacing={"rebalance": False, "exchange_every_steps": 4})
     elif name == "balanced":
         strategy = PacedDDPStrategy(pacing=BALANCE)
+    elif name == "balanced_checked":
+        strategy = PacedDDPStrategy(pacing=CHECKED, run_dir=out / name)
     else:
         strategy = "ddp"
     L.seed_everything(3, verbose=False)
@@ -123,7 +129,7 @@ def fit(name: str, out: Path) -> None:
         accelerator="cpu",
         devices=2,
         strategy=strategy,
-        max_epochs=EPOCHS,
+        max_epochs=CHECKED_EPOCHS if name == "balanced_checked" else EPOCHS,
         logger=False,
         callbacks=callbacks,
         enable_progress_bar=False,
@@ -133,7 +139,7 @@ def fit(name: str, out: Path) -> None:
     )
     module = Module()
     resume = checkpoint if name == "resumed" else None
-    data = dataset(with_lengths=name == "balanced")
+    data = dataset(with_lengths=name.startswith("balanced"))
     trainer.fit(module, DataLoader(data, batch_size=BATCH, shuffle=True), ckpt_path=resume)
     rank = trainer.global_rank
     (out / f"{name}_rank{rank}.json").write_text(json.dumps(module.trained))
@@ -380,7 +386,7 @@ def main() -> None:
         trainer_fit(out, "trainer_mean", mean_loss=True)
         trainer_fit(out, "trainer_balanced", mean_loss=False, balanced=True)
         leave_without_finalization(0)
-    for name in ("rebalanced", "resumed", "paced", "ddp", "balanced"):
+    for name in ("rebalanced", "resumed", "paced", "ddp", "balanced", "balanced_checked"):
         fit(name, out)
     fabric_fit(out)
     fabric_fit(out, balanced=True)

@@ -300,6 +300,31 @@ def test_balanced_batches_split_every_global_batch_by_cost_and_keep_its_mean(run
     assert max((got[k] - unscaled[k]).abs().max().item() for k in got) > 100 * ATOL
 
 
+def test_lightning_follows_balancing_s_check_from_arm_to_arm(run):
+    """``paced_ddp`` with the A/B check on (the default): each step's global batch is split by cost
+    where the record says the balanced arm ran and cut in even slices where the plain one did; both
+    ranks switch at the same steps, and the check reaches a verdict."""
+    ranks = _trained(run, "balanced_checked")
+    steps = [[a["indices"], b["indices"]] for a, b in zip(*ranks, strict=True)]
+    assert len(steps) == job.CHECKED_EPOCHS * -(-job.SAMPLES // (2 * job.BATCH))
+    record = read_run_record(run / "balanced_checked")
+    lines = [x for x in record.shares if x.get("balance")]
+    assert lines[-1]["balance"] in ("kept", "dropped"), [x["reason"] for x in lines]
+    switches = [(0, True)] + [(x["from_step"], x["balanced"]) for x in lines if x["from_step"] is not None]
+    # balanced, plain, balanced, plain, and balanced again if kept
+    assert [b for _, b in switches] == [True, False, True, False, True][: len(switches)], switches
+    assert len(switches) == (5 if lines[-1]["balance"] == "kept" else 4), switches
+    full = job.SAMPLES // (2 * job.BATCH)  # an epoch's full global batches (its last is partial)
+    for t, parts in enumerate(steps):
+        if t % (full + 1) == full:
+            continue  # the partial batch: split in proportion, balanced or not
+        balanced = [b for f, b in switches if f <= t][-1]
+        if balanced:
+            assert [set(p) for p in parts] == _balanced_split(list(itertools.chain(*parts)), job.BATCH), t
+        else:
+            assert [len(p) for p in parts] == [job.BATCH, job.BATCH], t
+
+
 def test_balanced_accelerate_accumulation_splits_each_micro_batch_by_cost(run):
     """``attach_pacing`` with ``balance`` in ``accelerator.accumulate`` (2 micro-batches per step):
     each micro-batch's global batch split by cost; the weights are one process's on each step's 32."""
