@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import random
 import re
 import socket
 import subprocess
@@ -60,11 +61,27 @@ def why_failed(output: str, tail: int = 3000) -> str:
     return "\n".join(dict.fromkeys(errors[:20])) + "\n...\n" + output[-tail:]
 
 
+#: where :func:`free_port` looks: below Linux's ephemeral range (32768-60999 by default), which the
+#: kernel hands to every connecting socket, gloo's pairs among them; a port from that range, free
+#: when chosen, was taken by another job's connection before rank 0 bound it (seen in CI:
+#: "Address already in use" for the metrics endpoint of one of four jobs started together)
+PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    """A TCP port free on loopback now (for a launcher's main process port)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on every interface now, outside the kernel's ephemeral range, so that no
+    other process's connection can be given it before the test's job binds it (for a launcher's
+    main process port, a metrics endpoint)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.choice(PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free TCP port in {PORTS.start}-{PORTS.stop - 1} after 200 tries")
 
 
 def parse_metrics(text: str, prefix: str = "") -> dict[str, float]:
