@@ -87,35 +87,32 @@ def _worker(rank: int, ranks: int, args: argparse.Namespace, store: str, out: st
 
 
 def read_mix(run_dir: Path, mix: str) -> dict[str, Any]:
-    """What the check decided in one job's record, and the median step at each arm."""
+    """What the check decided in one job's record (its last verdict, as ``pace diagnose`` reads it),
+    and the median step at each arm over the record's post-warm-up steps."""
     import numpy as np
 
-    from pace_strategy.telemetry import read_run_record
+    from pace_strategy.diagnose.rebalance import balance_outcome
+    from pace_strategy.telemetry.arrays import load_lines
 
-    record = read_run_record(run_dir)
-    lines = [s for s in record.shares if s.get("balance")]
-    verdicts = [s for s in lines if s["balance"] in ("kept", "dropped")]
+    a = load_lines(run_dir)
+    verdict = balance_outcome(a)
     # each step's arm, from the schedule's switches (balanced from the first step)
-    switches = [(0, True)] + [(s["from_step"], s["balanced"]) for s in lines if s["from_step"] is not None]
-    steps = {True: [], False: []}
-    for step in record.steps:
-        if not step["valid"] or step["warmup"]:
-            continue
-        balanced = [b for f, b in switches if f <= step["step"]][-1]
-        steps[balanced].append(max(step["ranks"]["step_ms"]))
-    last = verdicts[-1] if verdicts else None
+    switches = [
+        (s["from_step"], s["balanced"]) for s in a.shares if s.get("balance") and s["from_step"] is not None
+    ]
+    balanced = np.ones(a.steps, dtype=bool)
+    for start, arm in switches:
+        balanced[a.step >= start] = arm
+    arms = {name: a.step_ms[balanced == (name == "balanced")] for name in ("balanced", "plain")}
     return {
         "mix": mix,
-        "steps": len(record.steps),
-        "verdict": last["balance"] if last else None,
-        "reason": last["reason"] if last else "no verdict (too few steps)",
-        "plain_step_ms": last["baseline_step_ms"] if last else None,
-        "balanced_step_ms": last["trial_step_ms"] if last else None,
-        "switches": switches[1:],
-        "median_step_ms": {
-            "balanced": float(np.median(steps[True])) if steps[True] else None,
-            "plain": float(np.median(steps[False])) if steps[False] else None,
-        },
+        "steps": a.total_steps,
+        "verdict": None if verdict is None else ("kept" if verdict.kept else "dropped"),
+        "reason": "no verdict (too few steps)" if verdict is None else verdict.reason,
+        "plain_step_ms": None if verdict is None else verdict.plain_ms,
+        "balanced_step_ms": None if verdict is None else verdict.balanced_ms,
+        "switches": switches,
+        "median_step_ms": {name: float(np.median(v)) if v.size else None for name, v in arms.items()},
     }
 
 

@@ -88,10 +88,6 @@ class BalanceCheck:
         self._last = BalanceStep(self.state, True, "A/B check of cost-balanced batches: balanced arm first")
 
     @property
-    def last(self) -> BalanceStep:
-        return self._last
-
-    @property
     def deciding(self) -> bool:
         """The check is running: pacing and rebalancing wait for its verdict."""
         return self.state is BalanceState.TRIAL

@@ -101,9 +101,10 @@ def check_indexable(dataset: object) -> None:
 
 
 def restore_schedule(schedule: ShareSchedule, entries: Sequence[Mapping[str, Any]]) -> None:
-    """Re-add checkpointed entries (``{"from_step", "samples", "reason"}``) to ``schedule`` before its
-    pipeline has built a step; entries it already holds are skipped, so restoring twice (the sampler's
-    state and, in a state written before the sampler owned them, the decision's own) is harmless."""
+    """Re-add checkpointed entries (``{"from_step", "samples", "reason", "balanced"}``) to
+    ``schedule`` before its pipeline has built a step; entries it already holds are skipped, so
+    restoring twice (the sampler's state and, in a state written before the sampler owned them, the
+    decision's own) is harmless."""
     schedule.restore(entries)
 
 

@@ -26,16 +26,18 @@ LOCKED_METHODS = ("log_metrics", "log_hyperparams", "log_graph", "save", "finali
 
 
 def loggers_sink(loggers: Iterable[Any]) -> tuple[MetricsSink | None, Callable[[], None]]:
-    """The session's metrics sink into ``loggers`` (each step's tags into each logger's
-    ``log_metrics``), and the function that undoes the locking (idempotent). ``None`` without loggers."""
+    """The session's metrics sink into ``loggers`` (each step's tags as one event into the writer of
+    a TensorBoard logger without a ``prefix``, into every other logger's ``log_metrics``), and the
+    function that undoes the locking (idempotent). ``None`` without loggers."""
     loggers = list(loggers)
     # TensorBoard's writer queues every event under its own lock: safe to share as it is
     undo = [_serialize(logger) for logger in loggers if not is_tensorboard_logger(logger)]
+    one_event = [is_tensorboard_logger(logger) and not getattr(logger, "_prefix", "") for logger in loggers]
 
     def sink(metrics: Mapping[str, float], step: int) -> None:
-        for logger in loggers:
-            if is_tensorboard_logger(logger) and not getattr(logger, "_prefix", ""):
-                add_scalars(logger.experiment, metrics, step)  # one event per step, not one per tag
+        for logger, whole in zip(loggers, one_event, strict=True):
+            if whole:  # its writer read at the call: Lightning makes it at the first use
+                add_scalars(logger.experiment, metrics, step)
             else:
                 logger.log_metrics(dict(metrics), step=step)
 

@@ -10,7 +10,9 @@ speed-up (``benchmarks/balance.py`` measures that on real attention)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from pace_strategy.core.balance_check import BalanceCheck, BalanceState
 from pace_strategy.core.clock import ManualClock
 from pace_strategy.core.config import BalanceConfig, PacingConfig
 from pace_strategy.core.rebalance import WindowMeasure
-from pace_strategy.core.shares import ShareSchedule
+from pace_strategy.core.shares import ShareSchedule, SharesEntry
 from pace_strategy.core.state import PacingStateError
 from pace_strategy.diagnose.findings import diagnose
 from pace_strategy.session import PacingSession
@@ -142,11 +144,19 @@ def test_the_configuration_names_its_fields():
 
 
 # ---------------------------------------------------------------------- real Pacers, thread ranks
-def rank_loop(rank, group, steps, gain, run_dir, cfg=CFG, lookahead=3):
-    """One rank of a 2-rank job on a manual clock: the pipeline builds ``lookahead`` steps ahead and
-    reads each step's arm from the schedule. Balanced: 20 ms of compute each; plain: 20 ms x (1 +
-    ``gain``) on the rank that drew the long sequences (alternating), 20 ms x (1 - ``gain``) on the
-    other."""
+#: one step of the modelled job: (step, its schedule entry) -> (each rank's compute, ms; its samples)
+StepModel = Callable[[int, SharesEntry], tuple[list[float], list[int]]]
+
+
+def jitter(rank: int, step: int) -> float:
+    return 1.0 + random.Random(f"{rank}/{step}").uniform(-0.02, 0.02)
+
+
+def rank_loop(rank, group, cfg, steps, model: StepModel, run_dir=None, lookahead=3):
+    """One rank of a 2-rank job of 64 samples a step on a manual clock: the pipeline builds
+    ``lookahead`` steps ahead and reads each step's entry (its shares and arm) from the schedule; the
+    step ends 3 ms after the last rank's compute. The schedule's entries, the rebalancing decisions
+    and the pacing decisions."""
     clock = ManualClock()
     session = PacingSession(
         cfg,
@@ -163,22 +173,16 @@ def rank_loop(rank, group, steps, gain, run_dir, cfg=CFG, lookahead=3):
     session.pacer.attach_shares(schedule, lookahead)
     built = {}
     for t in range(lookahead + 1):
-        built[t] = schedule.entry_for_step(t).balanced
+        built[t] = schedule.entry_for_step(t)
         schedule.note_built(t)
     decisions, pacing = [], []
     for t in range(steps):
-        balanced = built.pop(t)
-        built[t + lookahead + 1] = schedule.entry_for_step(t + lookahead + 1).balanced
+        compute, samples = model(t, built.pop(t))
+        built[t + lookahead + 1] = schedule.entry_for_step(t + lookahead + 1)
         schedule.note_built(t + lookahead + 1)
-        jitter = [1.0 + random.Random(f"{r}/{t}").uniform(-0.02, 0.02) for r in range(2)]
-        heavy = t % 2
-        compute = [
-            20.0 * jitter[r] * (1.0 if balanced else (1.0 + gain if r == heavy else 1.0 - gain))
-            for r in range(2)
-        ]
         end = max(compute) + 3.0
         session.pacer.begin_step(t)
-        session.pacer.set_samples(32)
+        session.pacer.set_samples(samples[rank])
         clock.advance(compute[rank])
         session.pacer.enter_sync(bucketed=False)
         clock.advance(end - compute[rank])
@@ -189,11 +193,27 @@ def rank_loop(rank, group, steps, gain, run_dir, cfg=CFG, lookahead=3):
             decisions.append(result.rebalance)
             pacing.append(result.decision)
     session.finish()
-    return [(e.from_step, e.balanced) for e in schedule.entries], decisions, pacing
+    return schedule.entries, decisions, pacing
+
+
+def uneven_inputs(gain: float) -> StepModel:
+    """Balanced: 20 ms of compute each; plain: 20 ms x (1 + ``gain``) on the rank that drew the long
+    sequences (alternating), 20 ms x (1 - ``gain``) on the other."""
+
+    def step(t: int, entry: SharesEntry) -> tuple[list[float], list[int]]:
+        spread = [1.0, 1.0] if entry.balanced else [1.0 - gain, 1.0 - gain]
+        if not entry.balanced:
+            spread[t % 2] = 1.0 + gain
+        return [20.0 * jitter(r, t) * spread[r] for r in range(2)], [32, 32]
+
+    return step
 
 
 def closed_loop(gain, run_dir, steps=24 * K, cfg=CFG):
-    return raise_first(run_ranks(2, lambda rank, group: rank_loop(rank, group, steps, gain, run_dir, cfg)))
+    """Every rank's schedule (from step, balanced), rebalancing decisions and pacing decisions."""
+    loop = functools.partial(rank_loop, cfg=cfg, steps=steps, model=uneven_inputs(gain), run_dir=run_dir)
+    ranks = raise_first(run_ranks(2, lambda rank, group: loop(rank, group)))
+    return [([(e.from_step, e.balanced) for e in entries], d, p) for entries, d, p in ranks]
 
 
 @pytest.mark.timeout(60)
@@ -237,10 +257,18 @@ def test_unchecked_balancing_stays_on_and_writes_no_check_line(tmp_path):
 
 
 # ---------------------------------------------------------------------- with rebalancing
-def balanced_rebalanced_loop(rank, group, steps, lookahead=3):
-    """Rebalancing and cost-balanced batches together (unchecked), 2 ranks, 64 samples a step: the
-    balancer gives each rank a cost in proportion to its share, in counts that vary with the lengths
-    drawn (here 60-140% of the share); rank 1's device takes 2x as long per unit of cost."""
+def slow_device_balanced(t: int, entry: SharesEntry) -> tuple[list[float], list[int]]:
+    """Cost-balanced batches: each rank's cost follows its share, its count the lengths drawn (here
+    60-140% of the share); rank 1's device takes 2x as long per unit of cost."""
+    skew = random.Random(t).uniform(0.6, 1.4)  # the lengths drawn move the counts, not the costs
+    first = round(entry.samples[0] * skew)
+    return [(0.5, 1.0)[r] * entry.samples[r] * jitter(r, t) for r in range(2)], [first, 64 - first]
+
+
+@pytest.mark.timeout(60)
+def test_rebalancing_reads_balanced_steps_per_share_and_moves_work_to_the_faster_rank():
+    # Per sample, the counts would say nothing (they follow the lengths); per share, rank 1 is 2x
+    # slower: the split moves to the one proportional to speed and is kept, on every rank alike
     cfg = PacingConfig(
         mode="monitor",
         rebalance={"enabled": True, "quantum": 8, "cooldown_windows": 4},
@@ -248,59 +276,9 @@ def balanced_rebalanced_loop(rank, group, steps, lookahead=3):
         exchange_every_steps=K,
         warmup_steps=2,
     )
-    clock = ManualClock()
-    session = PacingSession(
-        cfg,
-        rank=rank,
-        world_size=2,
-        device=torch.device("cpu"),
-        group=group,
-        framework="test",
-        topology=[{"rank": r, "host": "h0", "local_rank": r, "node_rank": 0} for r in range(2)],
-        clock=clock,
-    )
-    schedule = ShareSchedule(64, 2)
-    session.pacer.attach_shares(schedule, lookahead)
-    built = {}
-    for t in range(steps + lookahead + 1):
-        if t <= lookahead:
-            built[t] = schedule.shares_for_step(t)
-            schedule.note_built(t)
-    decisions = []
-    for t in range(steps):
-        shares = built.pop(t)
-        built[t + lookahead + 1] = schedule.shares_for_step(t + lookahead + 1)
-        schedule.note_built(t + lookahead + 1)
-        skew = random.Random(t).uniform(0.6, 1.4)  # the lengths drawn move the counts, not the costs
-        counts = [round(shares[0] * skew), 0]
-        counts[1] = 64 - counts[0]
-        compute = [
-            (0.5, 1.0)[r] * shares[r] * (1.0 + random.Random(f"{r}/{t}").uniform(-0.02, 0.02))
-            for r in range(2)
-        ]
-        end = max(compute) + 3.0
-        session.pacer.begin_step(t)
-        session.pacer.set_samples(counts[rank])
-        clock.advance(compute[rank])
-        session.pacer.enter_sync(bucketed=False)
-        clock.advance(end - compute[rank])
-        session.pacer.sync_done()
-        clock.advance(1.0)
-        result = session.end_step()
-        if result is not None:
-            decisions.append(result.rebalance)
-    session.finish()
-    return [(e.from_step, e.samples) for e in schedule.entries], decisions
-
-
-@pytest.mark.timeout(60)
-def test_rebalancing_reads_balanced_steps_per_share_and_moves_work_to_the_faster_rank():
-    # Per sample, the counts would say nothing (they follow the lengths); per share, rank 1 is 2x
-    # slower: the split moves to the one proportional to speed and is kept, on every rank alike
-    (entries, decisions), (entries1, _) = raise_first(
-        run_ranks(2, lambda rank, group: balanced_rebalanced_loop(rank, group, 16 * K))
-    )
-    assert entries == entries1 and entries[-1][1] == (40, 24), entries
+    loop = functools.partial(rank_loop, cfg=cfg, steps=16 * K, model=slow_device_balanced)
+    (entries, decisions, _), (entries1, _, _) = raise_first(run_ranks(2, lambda r, g: loop(r, g)))
+    assert entries == entries1 and entries[-1].samples == (40, 24), entries
     assert not any(d.state.value == "off" for d in decisions), [
         d.reason for d in decisions if d.state.value == "off"
     ]

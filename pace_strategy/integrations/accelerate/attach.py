@@ -376,11 +376,14 @@ def _rebalance_data(
     rebalance.replace_prepared(loaders[0])
 
 
+def _is_tensorboard_tracker(tracker: Any) -> bool:
+    """One of accelerate's TensorBoard trackers (``log_with="tensorboard"``), with its writer."""
+    return getattr(tracker, "name", None) == "tensorboard" and hasattr(tracker, "writer")
+
+
 def _tensorboard_writers(accelerator: Any) -> list[Any]:
-    """The writers of the accelerator's TensorBoard trackers (``log_with="tensorboard"``)."""
-    return [
-        t.writer for t in getattr(accelerator, "trackers", []) if getattr(t, "name", None) == "tensorboard"
-    ]
+    """The writers of the accelerator's TensorBoard trackers."""
+    return [t.writer for t in getattr(accelerator, "trackers", []) if _is_tensorboard_tracker(t)]
 
 
 def _trackers_sink(accelerator: Any) -> MetricsSink:
@@ -390,7 +393,7 @@ def _trackers_sink(accelerator: Any) -> MetricsSink:
 
     def sink(metrics: Mapping[str, float], step: int) -> None:
         for tracker in getattr(accelerator, "trackers", []):
-            if getattr(tracker, "name", None) == "tensorboard" and hasattr(tracker, "writer"):
+            if _is_tensorboard_tracker(tracker):
                 add_scalars(tracker.writer, metrics, step)
             else:
                 tracker.log(dict(metrics), step=step)
