@@ -15,9 +15,10 @@ demo: setup
 # PYTHONDONTWRITEBYTECODE is cleared for them (set on the project's machines): every test process
 # would otherwise compile what it imports again (Lightning: 16 s of CPU instead of 7); this way each
 # module is compiled once, by the first process that imports it.
+# FUZZ_SCALE: half of each fuzz test's examples here (all of them in `make unit`).
 TEST_ENV = OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE=
 test: setup lint
-	$(TEST_ENV) .venv/bin/python -m pytest -q -n 2 --dist loadscope -m "not alone and not long"
+	$(TEST_ENV) FUZZ_SCALE=0.5 .venv/bin/python -m pytest -q -n 2 --dist loadscope -m "not alone and not long"
 	$(TEST_ENV) .venv/bin/python -m pytest -q -m "alone and not long"
 
 # The long runs, in the same two phases (about 7 minutes more on 2 cores).

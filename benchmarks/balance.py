@@ -13,7 +13,12 @@ the same number of steps of global batches of ``--batch`` x ranks samples, lengt
 - ``balanced``: pace_strategy's cost-balanced batches through the product's path
   (``pace_strategy.attach(..., pacing={"balance": ...})`` and ``pace.dataloader``): the same global
   batches as ``plain``, split by predicted cost, the gradient scaled to the global batch's mean;
-- ``grouped+balanced``: both.
+- ``grouped+balanced``: both;
+- ``configured`` (with ``--arms``): balanced at the configured cost (``--quadratic-tokens``,
+  ``--per-sample``; by default the product's defaults) instead of the calibrated one;
+- ``online`` (with ``--arms``): the same start, with the cost fitted online by the product
+  (``balance.fit``) from the ranks' measured compute, windows of 8 steps; the cost it fitted is read
+  back from its run record.
 
 Two layouts (``--layouts``): ``padded`` (a rank's batch padded to its longest sample, one forward
 with a key padding mask) and ``packed`` (each sample attended on its own, one forward per sample:
@@ -29,6 +34,7 @@ only: the loss scale makes the update the global batch's mean).
 
     python benchmarks/balance.py                   # ~2-4 minutes on 2 cores
     python benchmarks/balance.py --steps 6 --rounds 1 --layouts padded   # a smoke run
+    python benchmarks/balance.py --arms plain balanced configured online   # the online fit
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _runs import provenance, write_results
 
 ARMS = ("plain", "grouped", "balanced", "grouped+balanced")
+#: every arm ``--arms`` may name
+ALL_ARMS = (*ARMS, "configured", "online")
 VOCAB, WIDTH, MEGABATCH = 256, 64, 50
 
 
@@ -203,17 +211,23 @@ def _layout(
     from pace_strategy.data.share_sampler import ShareBatchSampler
 
     global_batch = args.batch * ranks
-    models = {arm: DDP(copy.deepcopy(base)) for arm in ARMS}
+    arms = tuple(args.arms)
+    models = {arm: DDP(copy.deepcopy(base)) for arm in arms}
     opts = {arm: torch.optim.SGD(m.parameters(), lr=0.05) for arm, m in models.items()}
     paces, batches = {}, {}
-    for arm in ARMS:
+    for arm in arms:
         source = sources["grouped" if arm.startswith("grouped") else "data"]
         shuffle = source is sources["data"]
-        if arm.endswith("balanced"):
+        if arm != "plain" and arm != "grouped":
             # balanced at every step (the arms take turns here; the A/B check would too)
-            balance = {"enabled": True, "layout": layout, "verify": False, **cost}
-            # the data path only: no window exchanged during the run
-            pacing = {"mode": "monitor", "exchange_every_steps": 10**6, "balance": balance}
+            balance = {"enabled": True, "layout": layout, "verify": False, "fit": arm == "online"}
+            if arm == "configured" or arm == "online":
+                balance.update(quadratic_tokens=args.quadratic_tokens, per_sample=args.per_sample)
+            else:
+                balance.update(cost)
+            # the data path only (no window exchanged during the run), or windows for the fit
+            every = 8 if arm == "online" else 10**6
+            pacing = {"mode": "monitor", "exchange_every_steps": every, "warmup_steps": 1, "balance": balance}
             paces[arm] = pace_strategy.attach(
                 models[arm], pacing=pacing, run_dir=Path(out, f"{layout}-{arm}")
             )
@@ -225,9 +239,9 @@ def _layout(
             schedule = ShareSchedule(global_batch, ranks)
             sampler = ShareBatchSampler(source, schedule, rank, shuffle=shuffle, seed=0, drop_last=True)
             batches[arm] = iter(DataLoader(source, batch_sampler=sampler, collate_fn=collate))
-    seconds = {arm: 0.0 for arm in ARMS}
-    losses: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    counts: dict[str, list[int]] = {arm: [] for arm in ARMS}
+    seconds = {arm: 0.0 for arm in arms}
+    losses: dict[str, list[float]] = {arm: [] for arm in arms}
+    counts: dict[str, list[int]] = {arm: [] for arm in arms}
 
     def step(arm: str) -> None:
         batch = next(batches[arm])
@@ -243,11 +257,11 @@ def _layout(
         losses[arm].append(float(per_sample.detach().sum()))
         counts[arm].append(len(batch))
 
-    for arm in ARMS:  # warm-up: every arm's first steps (allocator, DDP's bucket rebuild)
+    for arm in arms:  # warm-up: every arm's first steps (allocator, DDP's bucket rebuild)
         for _ in range(args.skip):
             step(arm)
     for r in range(args.rounds):
-        for arm in ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]:
+        for arm in arms[r % len(arms) :] + arms[: r % len(arms)]:
             dist.barrier()
             start = time.perf_counter()
             for _ in range(args.steps):
@@ -265,8 +279,8 @@ def _layout(
         sample_losses(local, batch, layout).mean().backward()
         compute.append(time.perf_counter() - start)
     # each step's global mean loss (every rank's sum of sample losses over every rank's count)
-    sums = torch.tensor([losses[a] for a in ARMS], dtype=torch.float64)
-    ns = torch.tensor([counts[a] for a in ARMS], dtype=torch.float64)
+    sums = torch.tensor([losses[a] for a in arms], dtype=torch.float64)
+    ns = torch.tensor([counts[a] for a in arms], dtype=torch.float64)
     times = torch.tensor(compute, dtype=torch.float64)
     gathered = [torch.zeros_like(times) for _ in range(ranks)]
     dist.all_reduce(sums)
@@ -279,49 +293,61 @@ def _layout(
     per_rank = torch.stack(gathered)  # [ranks, steps]
     return {
         "seconds": seconds,
-        "global_loss": {a: (sums[i] / ns[i]).tolist() for i, a in enumerate(ARMS)},
+        "global_loss": {a: (sums[i] / ns[i]).tolist() for i, a in enumerate(arms)},
         "bound": float(per_rank.max(0).values.sum() / per_rank.mean(0).sum()),
-        "rank0_counts": {a: counts[a] for a in ARMS},  # samples per step (the balanced arms vary)
+        "rank0_counts": {a: counts[a] for a in arms},  # samples per step (the balanced arms vary)
         "max_weight_difference": weights,
+        "online_cost": _fitted(Path(out, f"{layout}-online")) if "online" in arms and rank == 0 else None,
     }
+
+
+def _fitted(run_dir: Path) -> list[float] | None:
+    """The last cost the online fit scheduled, ``[quadratic_tokens, per_sample]``, from the record."""
+    from pace_strategy.telemetry.run_record import read_run_record
+
+    costs = [line["cost"] for line in read_run_record(run_dir).shares if line.get("cost")]
+    return costs[-1] if costs else None
 
 
 def summarize(raw: dict[str, Any], args: argparse.Namespace, ranks: int) -> list[dict[str, Any]]:
     rows = []
     global_samples = args.steps * args.rounds * args.batch * ranks
+    arms = tuple(args.arms)
     for layout, r in raw.items():
-        rate = {a: global_samples / r["seconds"][a] for a in ARMS}
+        rate = {a: global_samples / r["seconds"][a] for a in arms}
         plain_loss, balanced_loss = r["global_loss"]["plain"], r["global_loss"]["balanced"]
         loss_gap = max(abs(a - b) / abs(a) for a, b in zip(plain_loss, balanced_loss, strict=True))
         rows.append(
             {
                 "layout": layout,
                 "samples_per_s": rate,
-                "ratio": {a: rate[a] / rate["plain"] for a in ARMS},
+                "ratio": {a: rate[a] / rate["plain"] for a in arms},
                 "bound": r["bound"],
                 "max_relative_loss_gap": loss_gap,
                 "max_weight_difference": r["max_weight_difference"],
-                "loss_first_last": {a: (r["global_loss"][a][0], r["global_loss"][a][-1]) for a in ARMS},
+                "loss_first_last": {a: (r["global_loss"][a][0], r["global_loss"][a][-1]) for a in arms},
                 "rank0_counts": r["rank0_counts"],
                 "cost": r["cost"],
+                "online_cost": r.get("online_cost"),
             }
         )
     return rows
 
 
 def markdown(rows: list[dict[str, Any]], header: str) -> str:
+    arms = [a for a in rows[0]["ratio"] if a != "plain"] if rows else []
     lines = [
         header,
         "",
-        "| layout | plain | grouped | balanced | grouped + balanced | bound (even work) | balanced / bound |",
-        "|---|---|---|---|---|---|---|",
+        f"| layout | plain | {' | '.join(arms)} | bound (even work) | balanced / bound |",
+        "|---|---|" + "---|" * len(arms) + "---|---|",
     ]
     for r in rows:
         q = r["ratio"]
         lines.append(
-            f"| {r['layout']} | 1.00 ({r['samples_per_s']['plain']:.0f} samples/s) | {q['grouped']:.3f} | "
-            f"{q['balanced']:.3f} | {q['grouped+balanced']:.3f} | {r['bound']:.3f} | "
-            f"{q['balanced'] / r['bound']:.2f} |"
+            f"| {r['layout']} | 1.00 ({r['samples_per_s']['plain']:.0f} samples/s) | "
+            + "".join(f"{q[a]:.3f} | " for a in arms)
+            + f"{r['bound']:.3f} | {q['balanced'] / r['bound']:.2f} |"
         )
     lines.append("")
     for r in rows:
@@ -329,7 +355,13 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
             f"- {r['layout']}: plain vs balanced on the same global batches: the global mean loss differs "
             f"by at most {r['max_relative_loss_gap']:.1e} (relative) at any step, the weights by "
             f"{r['max_weight_difference']:.1e} at the end; the cost model: per_sample "
-            f"{r['cost']['per_sample']:.0f}, quadratic_tokens {r['cost']['quadratic_tokens']:.0f}."
+            f"{r['cost']['per_sample']:.0f}, quadratic_tokens {r['cost']['quadratic_tokens']:.0f}"
+            + (
+                f"; the online arm fitted, from the configured start: per_sample "
+                f"{r['online_cost'][1]:g}, quadratic_tokens {r['online_cost'][0]:g}."
+                if r.get("online_cost")
+                else "."
+            )
         )
     return "\n".join(lines) + "\n"
 
@@ -352,12 +384,19 @@ def main() -> int:
     p.add_argument("--quadratic-tokens", type=float, default=1024.0, help="balance.quadratic_tokens")
     p.add_argument("--per-sample", type=float, default=0.0, help="balance.per_sample")
     p.add_argument("--layouts", nargs="+", default=["padded", "packed"], choices=["padded", "packed"])
+    p.add_argument(
+        "--arms", nargs="+", default=list(ARMS), choices=ALL_ARMS, help="arms (plain and balanced always)"
+    )
     p.add_argument("--out", default="benchmarks/results/balance.json")
     p.add_argument("--markdown", default="benchmarks/results/balance.md")
     args = p.parse_args()
+    args.arms = ["plain", "balanced"] + [a for a in args.arms if a not in ("plain", "balanced")]
     import torch.multiprocessing as mp
 
-    print(f"{args.ranks} ranks, {len(ARMS)} arms x {args.rounds} rounds x {args.steps} steps ...", flush=True)
+    print(
+        f"{args.ranks} ranks, {len(args.arms)} arms x {args.rounds} rounds x {args.steps} steps ...",
+        flush=True,
+    )
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="pace-balance-") as tmp:
         mp.start_processes(

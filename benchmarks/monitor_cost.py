@@ -19,7 +19,18 @@ includes gloo's threads). Reported per arm: mean wall and CPU microseconds per s
 difference from ``plain`` with its standard error over ``--blocks`` consecutive blocks, per rank;
 and the largest weight difference from ``plain`` (0: bit-identical).
 
-    python benchmarks/monitor_cost.py            # ~2 minutes on 2 cores
+**What users pay** (``--part job``): the throughput of a whole job, the demo's Lightning job (2
+ranks, ``--compute-ms`` of emulated accelerator time and the MLP's real compute per step, the loss
+logged every step to TensorBoard as a user's job logs it, and the pace tags beside it), one run per
+arm per repetition, arms in rotating order: stock ``ddp``; ``paced_ddp`` measuring only
+(``monitor``); the default ``adaptive`` mode; ``monitor`` with rebalancing; ``monitor`` with
+cost-balanced batches (uniform inputs: the demo's samples are all one length; the A/B check runs).
+Samples/s from rank 0's step times after ``--job-skip`` steps, each arm's ratio to ``ddp`` in the
+same repetition: the median and range over repetitions.
+
+    python benchmarks/monitor_cost.py            # both parts, ~8 minutes on 2 cores
+    python benchmarks/monitor_cost.py --part steps     # the per-step part, ~2 minutes
+    python benchmarks/monitor_cost.py --part job --job-reps 5     # the whole job, ~6 minutes
 """
 
 from __future__ import annotations
@@ -39,9 +50,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _runs import blocked, provenance, write_results
+from _runs import blocked, provenance, run_demo, write_results
+
+from pace_strategy.telemetry.run_record import read_run_record
 
 ARMS = ("plain", "python_hook", "comm_hook", "grad_ready")
+#: the whole job's arms (``--part job``): the demo's strategy and pacing flags
+JOB_ARMS: dict[str, list[str]] = {
+    "ddp": ["--strategy", "ddp"],
+    "monitor": ["--strategy", "paced_ddp", "--pacing", "mode=monitor"],
+    "adaptive": ["--strategy", "paced_ddp"],
+    "rebalance": ["--strategy", "paced_ddp", "--pacing", "mode=monitor", "--pacing", "rebalance=true"],
+    "balance": ["--strategy", "paced_ddp", "--pacing", "mode=monitor", "--pacing", "balance.enabled=true"],
+}
 
 
 def _worker(rank: int, ranks: int, steps: int, store: str, out: str) -> None:
@@ -153,17 +174,110 @@ def markdown(per_rank: list[list[dict[str, Any]]], header: str, diff: float) -> 
     return "\n".join(lines) + "\n"
 
 
+def job_part(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
+    """The whole job's arms (module doc): each arm's ratios to ``ddp`` by repetition, and its table.
+    Two rulers: samples/s over the run (its mean step: what the job pays, bursts included) and the
+    median step (what the arm's own work costs; a burst of the shared machine moves it less)."""
+    names = list(JOB_ARMS)
+    by_mean: dict[str, list[float]] = {arm: [] for arm in names}
+    by_median: dict[str, list[float]] = {arm: [] for arm in names}
+    rates: dict[str, list[float]] = {arm: [] for arm in names}
+    paced: dict[str, int] = dict.fromkeys(names, 0)  #: windows with a pacing delay, over repetitions
+    demo = ["--devices", str(args.ranks), "--steps", str(args.job_steps), "--straggler", ""]
+    demo += ["--compute-ms", str(args.compute_ms), "--batch-size", "32", "--log-loss"]
+    global_batch = 32 * args.ranks
+    with tempfile.TemporaryDirectory(prefix="pace-job-cost-") as tmp:
+        for rep in range(args.job_reps):
+            mean, median = {}, {}
+            for i, arm in enumerate(names[rep % len(names) :] + names[: rep % len(names)]):
+                times, record = run_demo(
+                    Path(tmp), rep * len(names) + i, demo + JOB_ARMS[arm], skip=args.job_skip
+                )
+                mean[arm], median[arm] = statistics.fmean(times), statistics.median(times)
+                if record is not None:
+                    decisions = read_run_record(record).decisions
+                    paced[arm] += sum(any(d > 0 for d in line["delays_ms"]) for line in decisions)
+            for arm in names:
+                rates[arm].append(global_batch * 1e3 / mean[arm])
+                by_mean[arm].append(mean["ddp"] / mean[arm])
+                by_median[arm].append(median["ddp"] / median[arm])
+            print(
+                f"repetition {rep + 1}/{args.job_reps}, samples/s (median step) over ddp: "
+                + ", ".join(f"{a} {by_mean[a][-1]:.3f} ({by_median[a][-1]:.3f})" for a in names),
+                flush=True,
+            )
+    rows = [
+        {
+            "arm": arm,
+            "samples_per_s": statistics.median(rates[arm]),
+            "ratio_median": statistics.median(by_mean[arm]),
+            "ratio_range": [min(by_mean[arm]), max(by_mean[arm])],
+            "median_step_ratio_median": statistics.median(by_median[arm]),
+            "median_step_ratio_range": [min(by_median[arm]), max(by_median[arm])],
+            "ratios": by_mean[arm],
+            "median_step_ratios": by_median[arm],
+            "paced_windows": paced[arm],
+        }
+        for arm in names
+    ]
+    lines = [
+        f"Whole job: the demo's Lightning job, {args.ranks} ranks, {args.job_steps} steps (first "
+        f"{args.job_skip} dropped), {args.compute_ms:g} ms emulated + the MLP's compute per step, the "
+        f"loss logged every step; {args.job_reps} repetitions, arms in rotating order. Ratios to ddp in "
+        "the same repetition (> 1: faster), median over repetitions and their range.",
+        "",
+        "| arm | samples/s (median) | samples/s over ddp | range | median step, ddp over arm | range | "
+        "windows paced |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['arm']} | {r['samples_per_s']:.0f} | {r['ratio_median']:.3f} | "
+        f"{r['ratio_range'][0]:.3f} - {r['ratio_range'][1]:.3f} | {r['median_step_ratio_median']:.3f} | "
+        f"{r['median_step_ratio_range'][0]:.3f} - {r['median_step_ratio_range'][1]:.3f} | "
+        f"{r['paced_windows'] if r['arm'] != 'ddp' else '-'} |"
+        for r in rows
+    ]
+    return rows, "\n".join(lines) + "\n"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["steps", "job", "both"], default="both", help="what to measure")
     p.add_argument("--ranks", type=int, default=2, help="CPU processes (gloo); default 2")
     p.add_argument("--steps", type=int, default=3000, help="steps per arm (each of four); default 3000")
     p.add_argument("--skip", type=int, default=100, help="warm-up steps of each arm dropped; default 100")
     p.add_argument("--blocks", type=int, default=10, help="blocks for the standard error; default 10")
+    p.add_argument("--job-steps", type=int, default=300, help="whole job: steps per run; default 300")
+    p.add_argument("--job-skip", type=int, default=50, help="whole job: warm-up steps dropped; default 50")
+    p.add_argument("--job-reps", type=int, default=4, help="whole job: repetitions of every arm; default 4")
+    p.add_argument("--compute-ms", type=float, default=10.0, help="whole job: emulated ms per step")
     p.add_argument("--out", default="benchmarks/results/monitor_cost.json")
     p.add_argument("--markdown", default="benchmarks/results/monitor_cost.md")
     args = p.parse_args()
     if args.ranks < 2 or (args.steps - args.skip) < 2 * args.blocks:
         p.error("need --ranks >= 2 and --steps - --skip >= 2 * --blocks")
+    if args.job_steps - args.job_skip < 10:
+        p.error("need --job-steps - --job-skip >= 10")
+    meta = provenance(args)
+    result: dict[str, Any] = {"benchmark": "monitor_cost", **meta}
+    table = ""
+    if args.part in ("steps", "both"):
+        step_result, table = steps_part(args, meta)
+        result.update(step_result)
+    if args.part in ("job", "both"):
+        rows, job_table = job_part(args)
+        result["job"] = rows
+        table = (
+            f"{table}\n{job_table}"
+            if table
+            else f"{meta['date']}. Command: `{meta['command']}`\n\n{job_table}"
+        )
+    write_results(args.out, args.markdown, table, result)
+    return 0
+
+
+def steps_part(args: argparse.Namespace, meta: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The per-step part (module doc): each DDP monitor's microseconds per step, and its table."""
     import torch.multiprocessing as mp
 
     print(f"{args.ranks} ranks x {args.steps} steps x {len(ARMS)} arms ...", flush=True)
@@ -180,15 +294,12 @@ def main() -> int:
     print(f"done in {time.monotonic() - started:.0f} s", flush=True)
     per_rank = [summarize(raw, args.skip, args.blocks) for raw in raws]
     diff = max(raw["diff"] for raw in raws)
-    meta = provenance(args)
     header = (
         f"{meta['date']}, {meta['machine']['cpus']} CPUs ({meta['machine']['platform']}), gloo, "
         f"{args.ranks} ranks, {args.steps} steps per arm (first {args.skip} dropped), no emulated "
         f"compute, standard error over {args.blocks} blocks. Command: `{meta['command']}`"
     )
-    result = {"benchmark": "monitor_cost", **meta, "ranks": per_rank, "max_weight_difference": diff}
-    write_results(args.out, args.markdown, markdown(per_rank, header, diff), result)
-    return 0
+    return {"ranks": per_rank, "max_weight_difference": diff}, markdown(per_rank, header, diff)
 
 
 if __name__ == "__main__":

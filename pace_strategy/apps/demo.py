@@ -168,6 +168,7 @@ def _output_arguments(g: argparse._ArgumentGroup) -> None:
     )
     g.add_argument("--save-weights", default=None, help="rank 0 saves the final state_dict here")
     g.add_argument("--step-times", default=None, help="rank 0 writes its per-step wall times (JSON) here")
+    g.add_argument("--log-loss", action="store_true", help="log the loss every step, as a user's job does")
     g.add_argument("--quiet", action="store_true", help="no progress lines")
     g.add_argument("--no-diagnosis", action="store_true", help="skip the diagnosis at the end")
 
@@ -248,9 +249,9 @@ def _straggler_text(args: argparse.Namespace) -> str:
 
 
 def _callbacks(args: argparse.Namespace) -> list[Any]:
-    from pace_strategy.apps.lightning_job import FailAt, StepTimes
+    from pace_strategy.apps.lightning_job import FailAt, LogLoss, StepTimes
 
-    callbacks: list[Any] = []
+    callbacks: list[Any] = [LogLoss()] if args.log_loss else []
     if args.fail_at:
         rank, _, step = args.fail_at.partition(":")
         callbacks.append(FailAt(int(rank), int(step)))

@@ -23,7 +23,7 @@ from pace_strategy.testing import Straggler, sleep_injected
 if TYPE_CHECKING:
     from pace_strategy.apps.recipe_schema import ModelRecipe, TrainRecipe
 
-__all__ = ["GcLoad", "ProgressLine", "SlowCollate", "build_net", "make_dataset"]
+__all__ = ["GcLoad", "ProgressLine", "Samples", "SlowCollate", "build_net", "make_dataset"]
 
 #: steps a batch of the GC load's cyclic garbage stays referenced: long enough to survive two young
 #: collections into the old generation, where only a full collection frees it
@@ -49,13 +49,23 @@ def build_net(model: ModelRecipe) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def make_dataset(recipe: TrainRecipe, world_size: int) -> TensorDataset:
+class Samples(TensorDataset):
+    """The demo's samples, with their lengths as a tokenized corpus has them (``lengths``): each is a
+    vector of the model's inputs, so every length is that width, the same (uniform inputs: what
+    cost-balanced batches, ``balance.enabled``, split evenly)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        super().__init__(x, y)
+        self.lengths = [int(x.shape[1])] * len(x)
+
+
+def make_dataset(recipe: TrainRecipe, world_size: int) -> Samples:
     """Exactly enough seeded samples for ``max_steps`` optimizer steps on ``world_size`` ranks."""
     trainer, data = recipe.trainer, recipe.data
     n = trainer.max_steps * trainer.accumulate * data.batch_size * world_size
     g = torch.Generator().manual_seed(data.seed)
     x = torch.randn(n, recipe.model.inputs, generator=g)
-    return TensorDataset(x, torch.randint(0, recipe.model.classes, (n,), generator=g))
+    return Samples(x, torch.randint(0, recipe.model.classes, (n,), generator=g))
 
 
 class SlowCollate:

@@ -143,6 +143,17 @@ class SaveWeights(L.Callback):
             torch.save({k: v.detach().clone() for k, v in state.items()}, self.path)
 
 
+class LogLoss(L.Callback):
+    """The loss logged every step (``log_every_n_steps=1``) through the module's loggers, as a user's
+    job logs it (``demo --log-loss``: what the tags share the loggers with)."""
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any
+    ) -> None:
+        pl_module.log("train_loss", outputs["loss"])
+
+
 class StepTimes(L.Callback):
     """Rank 0 records the wall time between consecutive batch ends: the same ruler for every strategy."""
 

@@ -296,6 +296,18 @@ class BalanceConfig(_Group):
             CPU thread (``pace_strategy.data.balance.fit_cost`` fits it and ``quadratic_tokens``)."""
         ),
     )
+    fit: bool = field(
+        default=True,
+        metadata=doc(
+            """Fit the cost model online: ``per_sample`` and ``quadratic_tokens`` (``attention``; only
+            ``per_sample`` for ``tokens``) by least squares of each rank's measured compute time per
+            step against the samples, tokens and squared tokens it was given, over the windows so far
+            (decaying). The configured values split the samples until the first fit (24 rank-steps of
+            three lengths at least); a fit replaces the cost in force when it moves by a quarter, at
+            a window boundary, never during an A/B check's arms. ``False``: the configured values
+            throughout."""
+        ),
+    )
     max_tokens: int | None = field(
         default=None,
         metadata=doc(

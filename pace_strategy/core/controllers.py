@@ -39,6 +39,7 @@ import torch
 from pace_strategy.core.balance_check import BalanceCheck, BalanceState, BalanceStep
 from pace_strategy.core.clock import Clock
 from pace_strategy.core.config import PacingConfig
+from pace_strategy.core.cost_fit import CostFit, fit_ranks, moved, window_rows
 from pace_strategy.core.errors import PaceDistributedError, PacingConfigError
 from pace_strategy.core.gc_sync import GcSync
 from pace_strategy.core.policy import PacingPolicy
@@ -50,9 +51,9 @@ from pace_strategy.core.rebalance import (
     first_boundary,
     measure_window,
 )
-from pace_strategy.core.records import Decision, PolicyState
+from pace_strategy.core.records import Decision, Field, PolicyState
 from pace_strategy.core.shares import ShareSchedule
-from pace_strategy.core.skew import WindowStats
+from pace_strategy.core.skew import WindowStats, usable_steps
 from pace_strategy.core.state import STATE_VERSION, PacingStateError, check_state
 
 __all__ = ["Controllers", "PacingControl", "RebalanceControl", "WindowInput"]
@@ -137,6 +138,8 @@ class RebalanceControl:
         self.policy: RebalancePolicy | None = None  #: ``None``: no schedule attached, or disabled
         #: balancing's A/B check (``None``: no schedule attached, balancing off, or unchecked)
         self.check: BalanceCheck | None = None
+        #: balancing's online cost fit (``balance.fit``; ``None``: off, or no schedule attached)
+        self.fit: CostFit | None = None
         self.schedule: ShareSchedule | None = None
         self.lookahead_steps = 0
         self._restored: Mapping[str, Any] | None = None  # a state loaded before attach
@@ -162,6 +165,9 @@ class RebalanceControl:
             )
         if self._checks_balance():
             self.check = BalanceCheck(self.config, current.from_step)
+        if self._fits_cost():
+            self.fit = CostFit(quadratic=self.config.balance.cost == "attention")
+            schedule.work_ranks = fit_ranks(self.world_size)
         restored, self._restored = self._restored, None
         if restored is not None:
             try:
@@ -170,15 +176,18 @@ class RebalanceControl:
                 log.warning("pace_strategy: rebalancing starts fresh from the even split: %s", error)
 
     def _active(self) -> bool:
-        return bool(self.config.rebalance.enabled or self._checks_balance())
+        return bool(self.config.rebalance.enabled or self._checks_balance() or self._fits_cost())
 
     def _checks_balance(self) -> bool:
         return bool(self.config.balance.enabled and self.config.balance.verify)
 
+    def _fits_cost(self) -> bool:
+        return bool(self.config.balance.enabled and self.config.balance.fit)
+
     def decide(self, window: WindowInput, index: int) -> RebalanceDecision | None:
         """Window ``index``'s decision; a new split or arm goes into the schedule. ``None``: neither
         rebalancing nor balancing's check runs."""
-        if self.schedule is None or not (self.policy or self.check):
+        if self.schedule is None or not (self.policy or self.check or self.fit):
             if self.config.rebalance.enabled and not self._warned_unattached:
                 self._warned_unattached = True
                 log.warning(
@@ -191,15 +200,30 @@ class RebalanceControl:
         start = first_boundary(
             window.last_step, self.config.exchange_every_steps, window.after_step + self.lookahead_steps + 2
         )
+        if self.fit is not None:
+            work = self.schedule.take_work(
+                window.gathered[0, :, Field.STEP].long().tolist(), window.last_step
+            )
+            ranks = self.schedule.work_ranks or ()
+            usable = window.stats.usable
+            usable = usable_steps(window.gathered) if usable is None else usable
+            self.fit.add(*window_rows(window.gathered, usable, ranks, work))
+        decision = self._decide(window, index, start) if self.policy or self.check else None
+        decision = self._with_cost(decision, index, start)
+        if decision is not None:
+            self._schedule(decision)
+        return decision
+
+    def _decide(self, window: WindowInput, index: int, start: int) -> RebalanceDecision:
+        """The check's decision while it runs or switches, else rebalancing's."""
+        assert self.schedule is not None
         if self.check is not None:
             measure = window.measure
             if measure is None:
                 measure = measure_window(window.gathered, self.schedule.global_batch, window.stats.usable)
             step = self.check.update(measure, start, window.stats.median_step_ms)
             if self.check.deciding or step.from_step is not None or self.policy is None:
-                decision = self._balance_decision(index, step)
-                self._schedule(decision)
-                return decision
+                return self._balance_decision(index, step)
         assert self.policy is not None
         current = self.schedule.current
         self.policy.follow(current.from_step, current.samples)  # a split added by someone else
@@ -207,8 +231,44 @@ class RebalanceControl:
         decision = self.policy.update(window.gathered, index, start, window.measure, balanced)
         if self.config.balance.enabled:
             decision = dataclasses.replace(decision, balanced=current.balanced)
-        self._schedule(decision)
         return decision
+
+    def _with_cost(
+        self, decision: RebalanceDecision | None, index: int, start: int
+    ) -> RebalanceDecision | None:
+        """``decision`` with the fitted cost model where it changes it: it rides on any entry the
+        decision adds, and outside a trial (of the check or of rebalancing: its arms are compared at
+        one cost) a fit that moved by ``CHANGE`` adds its own entry (``balance="fit"``; with neither
+        rebalancing nor the check, the only decisions there are)."""
+        assert self.schedule is not None
+        fitted = self.fit.cost() if self.fit is not None else None
+        b = self.config.balance
+        if fitted is not None and b.cost == "tokens":  # (quadratic_tokens means nothing to it)
+            fitted = (b.quadratic_tokens, fitted[1])
+        current = self.schedule.current
+        in_force = current.cost or (b.quadratic_tokens, b.per_sample)
+        if fitted is None or fitted == in_force:
+            return decision
+        said = f"cost model fitted online: per_sample {fitted[1]:g}, quadratic_tokens {fitted[0]:g}"
+        if decision is not None and decision.from_step is not None:
+            return dataclasses.replace(decision, cost=fitted, reason=f"{decision.reason}; {said}")
+        trial = decision is not None and (
+            decision.state is RebalanceState.TRIAL or decision.balance == BalanceState.TRIAL.value
+        )
+        if trial or not moved(fitted, in_force):
+            return decision
+        if decision is None:
+            decision = RebalanceDecision(
+                index, RebalanceState.WATCH, current.samples, "", balanced=current.balanced
+            )
+        return dataclasses.replace(
+            decision,
+            from_step=start,
+            changed=True,
+            cost=fitted,
+            balance="fit",
+            reason=f"{said} from step {start}",
+        )
 
     def _balance_decision(self, index: int, step: BalanceStep) -> RebalanceDecision:
         """The check's step as the schedule's decision: the split in effect, the arm it decided."""
@@ -248,9 +308,16 @@ class RebalanceControl:
     def _schedule(self, decision: RebalanceDecision) -> None:
         assert self.schedule is not None
         if decision.from_step is not None:
-            balanced = self.schedule.current.balanced if decision.balanced is None else decision.balanced
+            current = self.schedule.current
+            balanced = current.balanced if decision.balanced is None else decision.balanced
+            # (a list after the node leader's JSON message)
+            cost = (
+                current.cost if decision.cost is None else (float(decision.cost[0]), float(decision.cost[1]))
+            )
             try:
-                self.schedule.add(decision.from_step, decision.shares, decision.reason, balanced=balanced)
+                self.schedule.add(
+                    decision.from_step, decision.shares, decision.reason, balanced=balanced, cost=cost
+                )
             except ValueError as error:
                 raise PaceDistributedError(
                     self.rank,
@@ -273,7 +340,10 @@ class RebalanceControl:
         if decision.state is RebalanceState.TRIAL:
             return f"a rebalancing trial of the split {list(decision.shares)} is running"
         current = self.schedule.current
-        if current.from_step > last_step:
+        running = self.schedule.entry_for_step(last_step)
+        # (a new cost model alone moves no rank's share of the step: pacing goes on)
+        same_split = (current.samples, current.balanced) == (running.samples, running.balanced)
+        if current.from_step > last_step and not (same_split and current.cost != running.cost):
             return f"the split {list(current.samples)} starts at step {current.from_step}"
         return None
 

@@ -128,10 +128,14 @@ class RebalanceDecision:
     #: where cost-balanced batches are on: whether the split's samples are balanced by cost (the
     #: latest arm of the schedule); ``None``: balancing off
     balanced: bool | None = None
+    #: the cost model fitted online (``balance.fit``), ``(quadratic_tokens, per_sample)``, that
+    #: splits the samples from ``from_step`` on; ``None``: unchanged
+    cost: tuple[float, float] | None = None
     #: a decision of balancing's A/B check: its state
     #: (:class:`~pace_strategy.core.balance_check.BalanceState`: ``"trial"``, ``"kept"``,
     #: ``"dropped"``); at its verdict ``baseline_step_ms`` is the plain arm's median step and
-    #: ``trial_step_ms`` the balanced arm's. ``None``: a decision of rebalancing
+    #: ``trial_step_ms`` the balanced arm's; ``"fit"``: a new fitted cost model only. ``None``: a
+    #: decision of rebalancing
     balance: str | None = None
 
 

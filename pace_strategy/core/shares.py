@@ -42,12 +42,18 @@ class SharesEntry:
     """From step ``from_step`` on (inclusive), rank ``r`` trains on ``samples[r]`` samples per step;
     ``balanced``: where cost-balanced batches are on (``balance.enabled``), the step's samples are
     split by their cost (``False``: cut in slices by ``samples``, the plain arm of balancing's A/B
-    check, or balancing dropped by it)."""
+    check, or balancing dropped by it); ``cost``: the cost model's ``(quadratic_tokens, per_sample)``
+    fitted online (``balance.fit``) that splits them, ``None``: the configured one."""
 
     from_step: int
     samples: tuple[int, ...]
     reason: str = ""
     balanced: bool = True
+    cost: tuple[float, float] | None = None
+
+
+#: steps of noted work kept at most
+_WORK_STEPS = 1024
 
 
 class ShareSchedule:
@@ -68,6 +74,9 @@ class ShareSchedule:
         self._starts: list[int] = [0]
         self._built = -1
         self._lock = threading.Lock()
+        #: the ranks whose work the data pipeline notes for the online cost fit (``None``: no fit)
+        self.work_ranks: tuple[int, ...] | None = None
+        self._work: dict[int, list[tuple[float, float, float]]] = {}
 
     def _check(self, samples: Sequence[int]) -> None:
         if len(samples) != self.world_size or sum(samples) != self.global_batch or min(samples) < 1:
@@ -90,6 +99,26 @@ class ShareSchedule:
         with self._lock:
             self._built = max(self._built, step)
 
+    def note_work(self, step: int, work: Sequence[tuple[float, float, float]]) -> None:
+        """The work ``(n, T, Q)`` of each of :attr:`work_ranks` in one batch of ``step`` (the batches
+        of a step add up: gradient accumulation); kept until :meth:`take_work` takes the step."""
+        with self._lock:
+            held = self._work.get(step)
+            if held is not None:  # another micro-batch of the step
+                work = [(a[0] + b[0], a[1] + b[1], a[2] + b[2]) for a, b in zip(held, work, strict=True)]
+            self._work[step] = list(work)
+            if len(self._work) > _WORK_STEPS:  # a rank that never takes it (a node leader's follower)
+                del self._work[min(self._work)]
+
+    def take_work(self, steps: Sequence[int], up_to: int) -> dict[int, list[tuple[float, float, float]]]:
+        """The noted work of ``steps``, and every step up to ``up_to`` forgotten (a window's steps
+        once it is gathered: the memory stays a few windows' worth)."""
+        with self._lock:
+            found = {s: self._work[s] for s in steps if s in self._work}
+            for s in [s for s in self._work if s <= up_to]:
+                del self._work[s]
+        return found
+
     @property
     def last_built(self) -> int:
         """The last step whose batch the data pipeline has built (-1: none yet)."""
@@ -108,21 +137,33 @@ class ShareSchedule:
             return tuple(self._entries)
 
     def restore(self, entries: Sequence[Mapping[str, Any]]) -> None:
-        """Re-add checkpointed entries (``{"from_step", "samples", "reason", "balanced"}``) before the
-        pipeline has built a step; entries already held are skipped, so restoring twice is harmless."""
-        held = {(e.from_step, e.samples, e.balanced) for e in self.entries}
+        """Re-add checkpointed entries (``{"from_step", "samples", "reason", "balanced", "cost"}``)
+        before the pipeline has built a step; entries already held are skipped, so restoring twice is
+        harmless."""
+        held = {e.from_step for e in self.entries}
         for entry in entries:
-            samples = tuple(int(s) for s in entry["samples"])
-            key = (int(entry["from_step"]), samples, bool(entry.get("balanced", True)))
-            if key not in held:
-                self.add(key[0], key[1], str(entry.get("reason", "")), balanced=key[2])
+            if int(entry["from_step"]) not in held:
+                cost = entry.get("cost")
+                self.add(
+                    int(entry["from_step"]),
+                    [int(s) for s in entry["samples"]],
+                    str(entry.get("reason", "")),
+                    balanced=bool(entry.get("balanced", True)),
+                    cost=None if cost is None else (float(cost[0]), float(cost[1])),
+                )
 
     def add(
-        self, from_step: int, samples: Sequence[int], reason: str = "", *, balanced: bool = True
+        self,
+        from_step: int,
+        samples: Sequence[int],
+        reason: str = "",
+        *,
+        balanced: bool = True,
+        cost: tuple[float, float] | None = None,
     ) -> SharesEntry:
         """Append an entry. Raises ``ValueError`` if ``from_step`` is not after every built step and after
         the latest entry's start, or if the shares do not split the global batch."""
-        entry = SharesEntry(from_step, tuple(int(s) for s in samples), reason, balanced)
+        entry = SharesEntry(from_step, tuple(int(s) for s in samples), reason, balanced, cost)
         self._check(entry.samples)
         with self._lock:
             if from_step <= self._built or from_step <= self._starts[-1]:

@@ -292,10 +292,35 @@ class Balancer:
         self.layout = layout
         self.max_tokens = max_tokens
 
-    def __call__(self, indices: Sequence[int], shares: Sequence[int]) -> list[list[int]]:
+    def __call__(
+        self, indices: Sequence[int], shares: Sequence[int], cost: SampleCost | None = None
+    ) -> list[list[int]]:
+        """Each rank's indices of the step's ``indices``; ``cost``: the cost model in force (the fitted
+        one of the step's schedule entry), else the configured one."""
         lengths = self.lengths[np.asarray(indices)]
         try:
-            parts = assign(lengths, len(shares), self.cost, self.layout, shares, self.max_tokens)
+            parts = assign(lengths, len(shares), cost or self.cost, self.layout, shares, self.max_tokens)
         except ValueError as error:  # the budget: a configuration error, named as the field
             raise PacingConfigError(f"balance.max_tokens: {error}") from error
         return [[int(indices[p]) for p in ps] for ps in parts]
+
+    def cost_of(self, fitted: tuple[float, float]) -> SampleCost:
+        """The configured cost model with a fitted ``(quadratic_tokens, per_sample)``."""
+        return SampleCost(self.cost.model, fitted[0], fitted[1])
+
+    def work(self, parts: Sequence[Sequence[int]]) -> list[tuple[float, float, float]]:
+        """Each part's work as the online cost fit reads it (:class:`~pace_strategy.core.cost_fit.
+        CostFit`): ``(n, T, Q)``, its samples, tokens and squared tokens as this layout computes them
+        (padded: ``n * longest`` and ``n * longest**2``; packed: the sums of ``L`` and ``L**2``)."""
+        out = []
+        for part in parts:
+            mine = self.lengths[np.asarray(part, dtype=np.int64)].astype(np.float64)
+            n = float(len(mine))
+            if not n:
+                out.append((0.0, 0.0, 0.0))
+            elif self.layout == "padded":
+                longest = float(mine.max())
+                out.append((n, n * longest, n * longest * longest))
+            else:
+                out.append((n, float(mine.sum()), float((mine * mine).sum())))
+        return out

@@ -21,7 +21,7 @@ import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import IterableDataset, Sampler
@@ -29,6 +29,9 @@ from torch.utils.data import IterableDataset, Sampler
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.shares import ShareSchedule
 from pace_strategy.core.state import STATE_VERSION, PacingStateError, check_state
+
+if TYPE_CHECKING:
+    from pace_strategy.data.balance import Balancer
 
 __all__ = [
     "BuiltBatch",
@@ -101,7 +104,7 @@ def check_indexable(dataset: object) -> None:
 
 
 def restore_schedule(schedule: ShareSchedule, entries: Sequence[Mapping[str, Any]]) -> None:
-    """Re-add checkpointed entries (``{"from_step", "samples", "reason", "balanced"}``) to
+    """Re-add checkpointed entries (``{"from_step", "samples", "reason", "balanced", "cost"}``) to
     ``schedule`` before its pipeline has built a step; entries it already holds are skipped, so
     restoring twice (the sampler's state and, in a state written before the sampler owned them, the
     decision's own) is harmless."""
@@ -152,7 +155,7 @@ class ShareBatchSampler(Sampler[list[int]]):
         drop_last: bool = False,
         micro_batches: int = 1,
         step_source: Callable[[], int] | None = None,
-        balancer: Callable[[Sequence[int], tuple[int, ...]], list[list[int]]] | None = None,
+        balancer: Balancer | None = None,
     ) -> None:
         check_indexable(dataset)
         if not 0 <= rank < schedule.world_size:
@@ -260,8 +263,10 @@ class ShareBatchSampler(Sampler[list[int]]):
             self.schedule.note_built(step)
             entry = self.schedule.entry_for_step(step)
             shares = entry.samples
+            parts = None
             if self.balancer is not None and entry.balanced:
-                parts = self.balancer(self._chunk(order, i), shares)
+                cost = None if entry.cost is None else self.balancer.cost_of(entry.cost)
+                parts = self.balancer(self._chunk(order, i), shares, cost)
                 shares = tuple(len(b) for b in parts)
                 batch = parts[self.rank]
             elif i == count - 1 and self.length % self.schedule.global_batch:
@@ -271,11 +276,19 @@ class ShareBatchSampler(Sampler[list[int]]):
             else:
                 offset = i * self.schedule.global_batch + sum(shares[: self.rank])
                 batch = order[offset : offset + shares[self.rank]]
+            if self.balancer is not None and self.schedule.work_ranks is not None:
+                self._note_work(step, parts or self._split(order, i, shares))
             with self._lock:
                 self._built.append(BuiltBatch(step, shares, self.rank))
                 self._yielded = i + 1
             yield batch
         self._next_start_step = start + math.ceil(count / self.micro_batches)
+
+    def _note_work(self, step: int, parts: list[list[int]]) -> None:
+        """The work of the ranks the online cost fit reads, in this step's batch (every rank's split
+        is known here: it is the same function of the same indices everywhere)."""
+        assert self.balancer is not None and self.schedule.work_ranks is not None
+        self.schedule.note_work(step, self.balancer.work([parts[r] for r in self.schedule.work_ranks]))
 
     def pop_built(self) -> BuiltBatch | None:
         """The oldest built batch not yet trained: the training side calls it once per batch, in
@@ -323,6 +336,7 @@ class ShareBatchSampler(Sampler[list[int]]):
                     "samples": list(e.samples),
                     "reason": e.reason,
                     "balanced": e.balanced,
+                    "cost": None if e.cost is None else list(e.cost),
                 }
                 for e in self.schedule.entries
             ],

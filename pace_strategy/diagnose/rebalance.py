@@ -135,6 +135,9 @@ class BalanceOutcome:
     verdicts: int  #: verdicts in the record (one per check)
     after_step: int  #: the verdict was taken after this step
     reason: str  #: the verdict in words
+    #: the cost model fitted online in force at the end of the run, ``[quadratic_tokens, per_sample]``
+    #: (``None``: the configured one throughout)
+    cost: list[float] | None = None
 
     @property
     def recovered_fraction(self) -> float:
@@ -147,12 +150,17 @@ class BalanceOutcome:
             f"slices of the same global batches (medians of the check's windows, verdict after step "
             f"{self.after_step}, {self.verdicts} verdict(s) in the run)"
         )
+        if self.cost is not None:
+            said += (
+                f"; cost model fitted online: per_sample {self.cost[1]:g}, quadratic_tokens {self.cost[0]:g}"
+            )
         if self.kept:
             return (
                 f"cost-balanced batches kept by their A/B check: {said}: {pct(self.recovered_fraction)} of "
                 f"the step recovered, {self.plain_ms / self.balanced_ms - 1:+.1%} samples/s"
             )
-        return f"cost-balanced batches dropped by their A/B check: {said}; {self.reason.rsplit(': ', 2)[-2]}"
+        why = self.reason.split("; cost model")[0].rsplit(": ", 2)[-2]
+        return f"cost-balanced batches dropped by their A/B check: {said}; {why}"
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "recovered_fraction": self.recovered_fraction}
@@ -168,6 +176,7 @@ def balance_outcome(a: RunLines) -> BalanceOutcome | None:
     if not verdicts:
         return None
     last = verdicts[-1]
+    costs = [line["cost"] for line in a.shares if line.get("cost") is not None]
     return BalanceOutcome(
         kept=last["balance"] == "kept",
         plain_ms=float(last["baseline_step_ms"]),
@@ -175,6 +184,7 @@ def balance_outcome(a: RunLines) -> BalanceOutcome | None:
         verdicts=len(verdicts),
         after_step=int(last["after_step"]),
         reason=str(last["reason"]),
+        cost=[float(v) for v in costs[-1]] if costs else None,
     )
 
 

@@ -177,8 +177,12 @@ class SharesLine(Line):
     #: with cost-balanced batches on: whether the split's samples are balanced by cost
     balanced: bool | None = field(default=None, metadata=OMIT)
     #: balancing's A/B check: "trial", "kept" or "dropped" (at a verdict ``baseline_step_ms`` is the
-    #: plain arm's median step and ``trial_step_ms`` the balanced arm's)
+    #: plain arm's median step and ``trial_step_ms`` the balanced arm's); "fit": a new fitted cost
+    #: model only
     balance: str | None = field(default=None, metadata=OMIT)
+    #: the cost model fitted online that splits the samples from ``from_step``:
+    #: ``[quadratic_tokens, per_sample]``
+    cost: list[float] | None = field(default=None, metadata=OMIT)
 
 
 @dataclass

@@ -208,6 +208,7 @@ def shares_line(d: RebalanceDecision, after_step: int) -> SharesLine:
         per_sample_ms=_cleans(d.per_sample_ms),
         balanced=d.balanced,
         balance=d.balance,
+        cost=None if d.cost is None else list(d.cost),
     )
 
 

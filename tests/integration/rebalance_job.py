@@ -47,9 +47,13 @@ ENTRIES = ((3, (12, 4)), (9, (3, 13)))
 SAVE_AT = 5
 #: rebalancing on, its own decision held off (only the fixed entries apply)
 PACING = {"rebalance": {"enabled": True, "persist_windows": 10_000}, "exchange_every_steps": 4}
-#: cost-balanced batches alone (padded: the split gives the ranks unequal counts), every step: the
-#: A/B check, which would run plain slices for some steps, is tested in tests/unit/test_balance_check.py
-BALANCE = {"balance": {"enabled": True, "layout": "padded", "verify": False}, "exchange_every_steps": 4}
+#: cost-balanced batches alone (padded: the split gives the ranks unequal counts), every step, at the
+#: configured cost (the tests recompute each split): the A/B check, which would run plain slices for
+#: some steps, is tested in tests/unit/test_balance_check.py, the online fit in test_cost_fit.py
+BALANCE = {
+    "balance": {"enabled": True, "layout": "padded", "verify": False, "fit": False},
+    "exchange_every_steps": 4,
+}
 #: the same with balancing's A/B check on ("balanced_checked", Lightning): arms of 2 windows of 4 steps
 CHECKED = {**BALANCE, "balance": {**BALANCE["balance"], "verify": True}, "warmup_steps": 1}
 #: epochs of the checked fit: room for the check's four arms and its verdict (7 steps an epoch)

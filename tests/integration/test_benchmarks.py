@@ -134,8 +134,17 @@ def test_interleaved_benchmark_can_take_the_cpp_comm_hook_and_the_comm_hook_moni
 
 
 def test_monitor_cost_benchmark_times_every_arm_on_every_rank(tmp_path):
+    """Both parts: each DDP monitor's per-step cost, and one short repetition of the whole job's
+    arms (real Lightning jobs of the demo: stock ddp, paced_ddp measuring, adaptive, rebalancing,
+    cost-balanced batches)."""
     args = ["--steps", "30", "--skip", "6", "--blocks", "2"]
+    args += ["--job-reps", "1", "--job-steps", "30", "--job-skip", "10"]
     _, result, table = _invoke(tmp_path, "monitor_cost.py", args)
+    job = {row["arm"]: row for row in result["job"]}
+    assert list(job) == ["ddp", "monitor", "adaptive", "rebalance", "balance"]
+    assert job["ddp"]["ratios"] == [1.0] and all(0.2 < row["ratios"][0] < 5.0 for row in job.values())
+    assert job["monitor"]["paced_windows"] == 0  # measuring only: never a delay
+    assert "| balance |" in table
     assert result["max_weight_difference"] == 0.0  # no monitor changes a bit of the model
     assert len(result["ranks"]) == 2
     for rows in result["ranks"]:

@@ -114,10 +114,22 @@ class Launch:
         self._process.communicate()
 
 
+#: the launch each test reads: the fixture starts, all at once, only those of the selected tests (the
+#: long one's is not started by ``make test``)
+USES = {
+    "test_an_unchanged_accelerate_script_is_paced_by_pace_launch": "accelerate",
+    "test_plain_accelerate_launch_leaves_the_same_script_alone": "plain",
+    "test_an_unchanged_trainer_script_gets_pace_tags_in_its_tensorboard_logs": "trainer",
+    "test_a_rank_late_to_the_trainer_s_pre_step_gather_is_the_straggler": "trainer-late",
+}
+
+
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory):
+def launches(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("zero_code")
-    started = {name: Launch(root, name) for name in LAUNCHES}
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    assert selected <= set(USES), selected - set(USES)  # a new test names its launch here
+    started = {name: Launch(root, name) for name in LAUNCHES if name in {USES[t] for t in selected}}
     yield started
     for launch in started.values():
         launch.stop()

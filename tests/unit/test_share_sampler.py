@@ -294,7 +294,7 @@ def test_steps_of_the_plain_arm_are_cut_in_slices_and_the_arm_survives_a_resume(
     # global batches: the sampler follows each step's entry, and its state carries the arms
     lengths = [(37 * i) % 101 + 1 for i in range(40)]
 
-    def by_length(indices, shares):  # a stand-in balancer: the longest samples to rank 0
+    def by_length(indices, shares, cost=None):  # a stand-in balancer: the longest samples to rank 0
         order = sorted(indices, key=lambda i: -lengths[i])
         return [order[: shares[0] // 2], order[shares[0] // 2 :]]
 
