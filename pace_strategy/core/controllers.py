@@ -165,7 +165,7 @@ class RebalanceControl:
             )
         if self._checks_balance():
             self.check = BalanceCheck(self.config, current.from_step)
-        if self._fits_cost():
+        if self._fits_cost() and not schedule.fixed_cost:
             self.fit = CostFit(quadratic=self.config.balance.cost == "attention")
             schedule.work_ranks = fit_ranks(self.world_size)
         restored, self._restored = self._restored, None

@@ -76,6 +76,8 @@ class ShareSchedule:
         self._lock = threading.Lock()
         #: the ranks whose work the data pipeline notes for the online cost fit (``None``: no fit)
         self.work_ranks: tuple[int, ...] | None = None
+        #: the data pipeline splits by a cost of its own (a user's function): the controller fits none
+        self.fixed_cost = False
         self._work: dict[int, list[tuple[float, float, float]]] = {}
 
     def _check(self, samples: Sequence[int]) -> None:

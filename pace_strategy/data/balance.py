@@ -27,7 +27,7 @@ take: ``count x longest`` for padded batches, the sum of lengths for packed ones
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, get_args
 
@@ -40,14 +40,20 @@ __all__ = [
     "COSTS",
     "LAYOUTS",
     "Balancer",
+    "CostModel",
     "SampleCost",
     "assign",
     "assign_packed",
     "assign_padded",
+    "check_cost_model",
     "fit_cost",
     "sample_lengths",
     "step_costs",
 ]
+
+#: a cost model: each sample's predicted cost from its length (an array of lengths in, an array of
+#: positive costs out, non-decreasing in the length): a :class:`SampleCost` or a user's function
+CostModel = Callable[[np.ndarray], np.ndarray]
 
 #: the cost models of one sample (:class:`SampleCost`): ``BalanceConfig.cost``'s values
 COSTS: tuple[str, ...] = get_args(BalanceCost)
@@ -109,7 +115,7 @@ def _order_by_length(lengths: np.ndarray) -> np.ndarray:
 
 
 def _by_length(
-    lengths: Sequence[int], world: int, cost: SampleCost, weights: Sequence[float] | None
+    lengths: Sequence[int], world: int, cost: CostModel, weights: Sequence[float] | None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """What both assignments start from, checked: the lengths, the ranks' normalized weights, the
     positions longest first and each one's cost in that order."""
@@ -125,7 +131,7 @@ def _by_length(
 def assign_padded(
     lengths: Sequence[int],
     world: int,
-    cost: SampleCost,
+    cost: CostModel,
     weights: Sequence[float] | None = None,
     max_tokens: int | None = None,
 ) -> list[list[int]]:
@@ -181,7 +187,7 @@ def assign_padded(
 def assign_packed(
     lengths: Sequence[int],
     world: int,
-    cost: SampleCost,
+    cost: CostModel,
     weights: Sequence[float] | None = None,
     max_tokens: int | None = None,
 ) -> list[list[int]]:
@@ -216,7 +222,7 @@ def assign_packed(
 def assign(
     lengths: Sequence[int],
     world: int,
-    cost: SampleCost,
+    cost: CostModel,
     layout: str,
     weights: Sequence[float] | None = None,
     max_tokens: int | None = None,
@@ -230,7 +236,7 @@ def assign(
 
 
 def step_costs(
-    lengths: Sequence[int], parts: Sequence[Sequence[int]], cost: SampleCost, layout: str
+    lengths: Sequence[int], parts: Sequence[Sequence[int]], cost: CostModel, layout: str
 ) -> np.ndarray:
     """Each rank's predicted cost of the step (token-equivalents) under an assignment ``parts``."""
     arr = np.asarray(lengths, dtype=np.int64)
@@ -238,7 +244,8 @@ def step_costs(
     for r, ps in enumerate(parts):
         if len(ps):
             mine = arr[np.asarray(ps, dtype=np.int64)]
-            out[r] = len(ps) * float(cost(mine.max())) if layout == "padded" else float(cost(mine).sum())
+            longest = mine.max(keepdims=True)
+            out[r] = len(ps) * float(cost(longest)[0]) if layout == "padded" else float(cost(mine).sum())
     return out
 
 
@@ -276,6 +283,31 @@ def _input_ids_length(dataset: Any, index: int) -> int:
     return int(ids.shape[-1]) if hasattr(ids, "shape") else len(ids)
 
 
+def check_cost_model(cost: CostModel, lengths: np.ndarray) -> None:
+    """Refuse a user's cost function that does not map every length of the dataset to one finite,
+    positive cost, non-decreasing in the length (the padded split sorts by length and reads the
+    longest sample's cost as the batch's), naming what it returned."""
+    where = "pace.dataloader(cost=...)"
+    unique = np.unique(np.asarray(lengths, dtype=np.int64))
+    try:
+        costs = np.asarray(cost(unique), dtype=np.float64)
+    except Exception as error:  # the user's function: any failure is a configuration error
+        raise PacingConfigError(
+            f"{where}: the cost function failed on an array of lengths: {error!r}"
+        ) from error
+    if costs.shape != unique.shape or not np.all(np.isfinite(costs)) or not np.all(costs > 0):
+        raise PacingConfigError(
+            f"{where}: the cost function must map an array of {len(unique)} lengths to as many finite, "
+            f"positive costs; it returned shape {costs.shape}, e.g. {costs.ravel()[:3].tolist()}"
+        )
+    if np.any(np.diff(costs) < 0):
+        at = int(np.flatnonzero(np.diff(costs) < 0)[0])
+        raise PacingConfigError(
+            f"{where}: the cost must not fall as the length grows: {costs[at]:g} at {unique[at]} tokens, "
+            f"{costs[at + 1]:g} at {unique[at + 1]}"
+        )
+
+
 class Balancer:
     """The cost-balanced split of each step's samples (dataset indices), the same on every rank: the
     samples' lengths, the cost model, the layout and the token budget. Called with the step's
@@ -283,17 +315,19 @@ class Balancer:
     returns each rank's indices."""
 
     def __init__(
-        self, lengths: np.ndarray, cost: SampleCost, layout: str, max_tokens: int | None = None
+        self, lengths: np.ndarray, cost: CostModel, layout: str, max_tokens: int | None = None
     ) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if not isinstance(cost, SampleCost):
+            check_cost_model(cost, lengths)
         self.lengths = lengths
         self.cost = cost
         self.layout = layout
         self.max_tokens = max_tokens
 
     def __call__(
-        self, indices: Sequence[int], shares: Sequence[int], cost: SampleCost | None = None
+        self, indices: Sequence[int], shares: Sequence[int], cost: CostModel | None = None
     ) -> list[list[int]]:
         """Each rank's indices of the step's ``indices``; ``cost``: the cost model in force (the fitted
         one of the step's schedule entry), else the configured one."""
@@ -304,8 +338,16 @@ class Balancer:
             raise PacingConfigError(f"balance.max_tokens: {error}") from error
         return [[int(indices[p]) for p in ps] for ps in parts]
 
-    def cost_of(self, fitted: tuple[float, float]) -> SampleCost:
-        """The configured cost model with a fitted ``(quadratic_tokens, per_sample)``."""
+    @property
+    def fixed(self) -> bool:
+        """The cost is a user's function: nothing to fit (:meth:`cost_of` keeps it)."""
+        return not isinstance(self.cost, SampleCost)
+
+    def cost_of(self, fitted: tuple[float, float]) -> CostModel:
+        """The configured cost model with a fitted ``(quadratic_tokens, per_sample)`` (a user's
+        function stays as it is)."""
+        if not isinstance(self.cost, SampleCost):
+            return self.cost
         return SampleCost(self.cost.model, fitted[0], fitted[1])
 
     def work(self, parts: Sequence[Sequence[int]]) -> list[tuple[float, float, float]]:

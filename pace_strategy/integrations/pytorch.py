@@ -33,6 +33,7 @@ from torch import nn
 
 from pace_strategy.core.config import PacingConfig
 from pace_strategy.core.errors import PacingConfigError
+from pace_strategy.data.balance import CostModel
 from pace_strategy.driver import PacingDriver
 from pace_strategy.integrations._model import data_rebalance, model_is_fsdp2, pace_model
 from pace_strategy.integrations.dashboard import add_scalars, custom_scalars_sink
@@ -96,21 +97,31 @@ class Pace(PacingDriver):
         super().__init__(config, session)
         self.model = model
 
-    def dataloader(self, loader: Any, lengths: Any = None) -> Any:
+    def dataloader(self, loader: Any, lengths: Any = None, cost: CostModel | None = None) -> Any:
         """Iterate this instead of ``loader``: its input wait is measured, and with ``rebalance=True``
         or ``balance=True`` it is ``loader`` rebuilt around the rebalancing batch sampler (same
         dataset, batch size, shuffle, drop_last and workers; each rank's share of the global batch
         follows the decisions, or each step's samples are split by their cost; the gradient is scaled
         by the rank's count in the DDP comm hook, so the loop and its loss stay as they are). Call it
         once, after :func:`attach`, before the first step. ``lengths``: every sample's length in
-        tokens, for ``balance`` (else read from the dataset: docs/balancing.md)."""
+        tokens, for ``balance`` (else read from the dataset: docs/balancing.md). ``cost``: for
+        ``balance``, your cost model instead of ``balance.cost``: a function from an array of lengths
+        to as many positive costs, non-decreasing in the length (e.g. measured per length bucket);
+        the online fit is then off."""
         if self.session is None:
             return loader
+        if cost is not None and (self.rebalance is None or self.rebalance.balance is None):
+            raise PacingConfigError(
+                "pace.dataloader(cost=...) is the cost model of cost-balanced batches: set "
+                "pacing={'balance': {'enabled': True}} in attach, or leave cost out."
+            )
         if self.rebalance is not None:
             if self.rebalance.sampler is not None:
                 raise PacingConfigError("pace.dataloader(...) rebalances one training loader; call it once.")
             if lengths is not None:
                 self.rebalance.lengths = lengths
+            if cost is not None:
+                self.rebalance.cost = cost
             loader = self.rebalance.replace(loader)
         self.session.note_dataloader_workers(loader_workers(loader))
         hook = time_dataloader(loader, lambda: self.live_session)

@@ -27,7 +27,7 @@ from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.pacer import Pacer
 from pace_strategy.core.shares import ShareSchedule
 from pace_strategy.core.state import PacingStateError
-from pace_strategy.data.balance import Balancer, SampleCost, sample_lengths
+from pace_strategy.data.balance import Balancer, CostModel, SampleCost, sample_lengths
 from pace_strategy.data.share_sampler import ShareBatchSampler, check_indexable
 
 __all__ = ["STATE_NAME", "DataRebalance", "loader_lookahead_steps", "share_scaled_allreduce"]
@@ -135,6 +135,9 @@ class DataRebalance:
             shares cut each step's slice.
         lengths: the samples' lengths in tokens, for ``balance`` (else read from the dataset:
             :func:`~pace_strategy.data.balance.sample_lengths`).
+        cost: a user's cost model for ``balance``, each sample's cost from its length (an array
+            of lengths in, as many positive costs out, non-decreasing), instead of the configured
+            ``balance.cost``; the online fit is then off. ``None``: the configured model.
     """
 
     def __init__(
@@ -147,10 +150,12 @@ class DataRebalance:
         micro_batches: int = 1,
         balance: BalanceConfig | None = None,
         lengths: Any = None,
+        cost: CostModel | None = None,
     ) -> None:
         self.pacer = pacer
         self.balance = balance if balance is not None and balance.enabled else None
         self.lengths = lengths
+        self.cost = cost
         self.rank = rank
         self.world_size = world_size
         self.step_source = step_source
@@ -241,6 +246,7 @@ class DataRebalance:
         global_batch = split.batch_size * self.world_size
         if self.schedule is None:
             self.schedule = ShareSchedule(global_batch, self.world_size)
+            self.schedule.fixed_cost = self.cost is not None
         elif self.schedule.global_batch != global_batch:
             raise PacingConfigError(
                 f"the training batch size changed to {split.batch_size} (global {global_batch}) from a "
@@ -267,7 +273,8 @@ class DataRebalance:
             lengths = sample_lengths(loader.dataset, self.lengths)
         except ValueError as error:
             raise PacingConfigError(f"balance.enabled: {error}") from error
-        return Balancer(lengths, SampleCost(b.cost, b.quadratic_tokens, b.per_sample), b.layout, b.max_tokens)
+        cost = self.cost if self.cost is not None else SampleCost(b.cost, b.quadratic_tokens, b.per_sample)
+        return Balancer(lengths, cost, b.layout, b.max_tokens)
 
     def _adopt(self, loader: DataLoader[Any], sampler: ShareBatchSampler) -> None:
         if self.sampler is not None and self.sampler is not sampler and self.sampler.epoch:

@@ -194,3 +194,48 @@ def test_the_diagnosis_names_the_fitted_cost():
 
     said = BalanceOutcome(True, 30.0, 20.0, 1, 95, "A/B ...: kept", cost=[200.0, 510.0]).text()
     assert "cost model fitted online: per_sample 510, quadratic_tokens 200" in said
+
+
+# ---------------------------------------------------------------------- a user's cost model
+def bucketed(lengths: np.ndarray) -> np.ndarray:
+    """A user's cost model: measured per length bucket (a step function of the length)."""
+    return np.where(lengths <= 64, 1.0, np.where(lengths <= 256, 5.0, 30.0))
+
+
+def test_a_user_cost_function_splits_the_samples_and_no_fit_replaces_it():
+    from torch.utils.data import DataLoader
+
+    from pace_strategy.core.config import BalanceConfig
+    from pace_strategy.integrations.rebalance import DataRebalance
+
+    lengths = lognormal_lengths(BATCH * 20)
+    path = DataRebalance(None, 0, WORLD, lambda: 0, 0, balance=BalanceConfig(enabled=True), cost=bucketed)
+    path.lengths = lengths.tolist()
+    loader = path.replace(DataLoader(range(len(lengths)), batch_size=BATCH // WORLD, collate_fn=list))
+    assert path.schedule is not None and path.schedule.fixed_cost  # the controller fits nothing
+    assert path.sampler is not None and path.sampler.balancer is not None
+    balancer = path.sampler.balancer
+    assert balancer.fixed and balancer.cost_of((200.0, 500.0)) is bucketed
+    first = next(iter(loader))
+    chunk = path.sampler._chunk(path.sampler.permutation(0).tolist(), 0)
+    expected = assign(lengths[chunk], WORLD, bucketed, "padded")
+    assert sorted(first) == sorted(chunk[p] for p in expected[0])
+    control = RebalanceControl(PacingConfig(balance={"enabled": True}), 0, WORLD)
+    control.attach(path.schedule, lookahead_steps=1)
+    assert control.fit is None and path.schedule.work_ranks is None
+
+
+@pytest.mark.parametrize(
+    ("cost", "said"),
+    [
+        (lambda lengths: -np.ones(len(lengths)), "finite, positive"),
+        (lambda lengths: np.ones(3), "returned shape"),
+        (lambda lengths: 1000.0 / lengths, "must not fall as the length grows"),
+        (lambda lengths: 1 / 0, "failed on an array of lengths"),
+    ],
+)
+def test_a_user_cost_function_that_cannot_split_is_refused_naming_the_argument(cost, said):
+    from pace_strategy.core.errors import PacingConfigError
+
+    with pytest.raises(PacingConfigError, match=rf"pace\.dataloader\(cost=\.\.\.\).*{said}"):
+        Balancer(lognormal_lengths(64), cost, "padded")
