@@ -62,7 +62,18 @@ JOB_ARMS: dict[str, list[str]] = {
     "adaptive": ["--strategy", "paced_ddp"],
     "rebalance": ["--strategy", "paced_ddp", "--pacing", "mode=monitor", "--pacing", "rebalance=true"],
     "balance": ["--strategy", "paced_ddp", "--pacing", "mode=monitor", "--pacing", "balance.enabled=true"],
+    # (not run by default: ``--job-arms``) measuring only, the tags of every 25th step
+    "monitor_tags25": [
+        "--strategy",
+        "paced_ddp",
+        "--pacing",
+        "mode=monitor",
+        "--pacing",
+        "tag_every_steps=25",
+    ],
 }
+#: the whole job's arms run by default
+DEFAULT_JOB_ARMS = ("ddp", "monitor", "adaptive", "rebalance", "balance")
 
 
 def _worker(rank: int, ranks: int, steps: int, store: str, out: str) -> None:
@@ -178,7 +189,7 @@ def job_part(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
     """The whole job's arms (module doc): each arm's ratios to ``ddp`` by repetition, and its table.
     Two rulers: samples/s over the run (its mean step: what the job pays, bursts included) and the
     median step (what the arm's own work costs; a burst of the shared machine moves it less)."""
-    names = list(JOB_ARMS)
+    names = ["ddp"] + [a for a in args.job_arms if a != "ddp"]
     by_mean: dict[str, list[float]] = {arm: [] for arm in names}
     by_median: dict[str, list[float]] = {arm: [] for arm in names}
     rates: dict[str, list[float]] = {arm: [] for arm in names}
@@ -250,6 +261,13 @@ def main() -> int:
     p.add_argument("--job-steps", type=int, default=300, help="whole job: steps per run; default 300")
     p.add_argument("--job-skip", type=int, default=50, help="whole job: warm-up steps dropped; default 50")
     p.add_argument("--job-reps", type=int, default=4, help="whole job: repetitions of every arm; default 4")
+    p.add_argument(
+        "--job-arms",
+        nargs="+",
+        default=list(DEFAULT_JOB_ARMS),
+        choices=list(JOB_ARMS),
+        help="whole job: arms",
+    )
     p.add_argument("--compute-ms", type=float, default=10.0, help="whole job: emulated ms per step")
     p.add_argument("--out", default="benchmarks/results/monitor_cost.json")
     p.add_argument("--markdown", default="benchmarks/results/monitor_cost.md")

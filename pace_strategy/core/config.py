@@ -544,14 +544,16 @@ class PacingConfig:
         default=64,
         metadata=doc("``pace/lead_ms/rank_{r}`` tags are written only while world size <= this limit."),
     )
-    tag_every_steps: int = field(
-        default=1,
+    tag_every_steps: int | None = field(
+        default=None,
         metadata=doc(
             """The ``pace/`` tags go to the framework's loggers for every this-many-th step (steps whose
-            number is a multiple of it); 1: every step. The run record keeps every step whatever this
-            is. A tagged step costs rank 0 about 0.3 ms of CPU into TensorBoard (one event of 13 tags
-            at 2 ranks), more into loggers that take a call per step (docs/telemetry.md, "What the
-            tags cost"): with steps of a few milliseconds, 10 or more keeps it off the step."""
+            number is a multiple of it); 1: every step. ``None``: as often as the job logs its own
+            metrics, Lightning's ``Trainer(log_every_n_steps=...)`` (50 by default) or the HF
+            Trainer's ``logging_steps`` (``logging_strategy="steps"``), else every step (Fabric,
+            Accelerate, plain PyTorch). The run record keeps every step whatever this is. A tagged
+            step costs rank 0 about 0.3 ms of CPU into TensorBoard (one event of 13 tags at 2 ranks),
+            more into loggers that take a call per step (docs/telemetry.md, "What the tags cost")."""
         ),
     )
     metrics_port: int = field(
@@ -659,7 +661,8 @@ class PacingConfig:
         _positive_int(self, "max_cooldown_windows", minimum=0)
         _number(self, "cooldown_growth", low=1.0)
         _positive_int(self, "per_rank_tag_limit", minimum=0)
-        _positive_int(self, "tag_every_steps")
+        if self.tag_every_steps is not None:
+            _positive_int(self, "tag_every_steps", allowed="an integer >= 1 or null")
         _positive_int(self, "metrics_port", minimum=0)
         if not isinstance(self.metrics_host, str) or not self.metrics_host.strip():
             _fail("metrics_host", self.metrics_host, "an address to bind, e.g. '0.0.0.0' or '127.0.0.1'")
@@ -763,6 +766,13 @@ class PacingConfig:
     def replace(self, **changes: Any) -> PacingConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def tagging_every(self, framework_steps: int) -> PacingConfig:
+        """This configuration with ``tag_every_steps`` set to the framework's own logging interval
+        (``framework_steps``, at least 1) where it is ``None``."""
+        if self.tag_every_steps is not None:
+            return self
+        return self.replace(tag_every_steps=max(1, int(framework_steps)))
 
 
 def _fail(name: str, value: object, allowed: str) -> None:

@@ -150,6 +150,8 @@ class StrategyPacing(PacingDriver):
             return None
         sink, unlock = loggers_sink(trainer.loggers if strategy.global_rank == 0 else ())
         self.on_detach(unlock)
+        # the tags as often as the job's own metrics (Trainer(log_every_n_steps=...)) unless set
+        self.config = self.config.tagging_every(getattr(trainer, "log_every_n_steps", 1))
         session = PacingSession.with_side_group(
             self.config,
             rank=strategy.global_rank,

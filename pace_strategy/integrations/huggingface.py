@@ -11,6 +11,7 @@ callbacks, not ``accelerator.log``, so the tags go to the writer of its ``Tensor
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 from collections.abc import Mapping
@@ -24,6 +25,7 @@ from pace_strategy.core.config import PacingConfig
 from pace_strategy.integrations.accelerate.attach import (
     PacingHandle,
     RebalanceLoop,
+    _config_of,
     attach_pacing,
     is_paceable,
 )
@@ -89,7 +91,7 @@ class PacingCallback(TrainerCallback):
         self.handle = attach_pacing(
             self.trainer.accelerator,
             model,
-            self.config,
+            _config_of(self.config).tagging_every(logging_interval(args, state)),
             optimizer=self.trainer.optimizer if optimizer is None else optimizer,
             dataloaders=None if loader is None else [loader],
             run_dir=self._run_dir(args),
@@ -138,6 +140,17 @@ class PacingCallback(TrainerCallback):
         found = record_dir(self.run_dir, log_dir, fallback=Path(args.output_dir or "."))
         assert found is not None, "a fallback is given"
         return found
+
+
+def logging_interval(args: Any, state: Any) -> int:
+    """Steps between the Trainer's own logs: ``logging_steps`` under ``logging_strategy="steps"``
+    (a fraction below 1 is of the run's ``max_steps``, as the Trainer reads it), else 1."""
+    if str(getattr(args, "logging_strategy", "steps")).lower().rsplit(".", 1)[-1] != "steps":
+        return 1
+    steps = float(getattr(args, "logging_steps", 1) or 1)
+    if steps < 1:
+        steps = math.ceil(steps * max(1, int(getattr(state, "max_steps", 1) or 1)))
+    return max(1, int(steps))
 
 
 def time_trainer_syncs(handle: PacingHandle) -> None:

@@ -296,7 +296,7 @@ class Publisher:
                     world_size=world_size,
                     per_rank_tag_limit=limit,
                     batch_shares=shares,
-                    every_steps=config.tag_every_steps,
+                    every_steps=config.tag_every_steps or 1,
                 )
             )
         if record is not None:

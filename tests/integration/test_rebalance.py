@@ -175,6 +175,8 @@ def test_accelerate_accumulation_takes_its_micro_batches_from_the_accelerator(ru
 @pytest.mark.parametrize("name", ["trainer", "trainer_mean"])
 def test_trainer_ranks_train_their_shares_of_each_accumulated_step(run, name):
     steps = _trainer_steps(run, name)
+    # the tags follow the Trainer's own logging interval (logging_steps, 500 unless set)
+    assert read_run_record(run / name).header["config"]["tag_every_steps"] == 500
     assert len(steps) == job.TRAINER_STEPS
     seen: list[int] = []
     for t, (a, b) in enumerate(steps):
@@ -308,6 +310,7 @@ def test_lightning_follows_balancing_s_check_from_arm_to_arm(run):
     steps = [[a["indices"], b["indices"]] for a, b in zip(*ranks, strict=True)]
     assert len(steps) == job.CHECKED_EPOCHS * -(-job.SAMPLES // (2 * job.BATCH))
     record = read_run_record(run / "balanced_checked")
+    assert record.header["config"]["tag_every_steps"] == 50  # the tags follow log_every_n_steps' default
     lines = [x for x in record.shares if x.get("balance")]
     assert lines[-1]["balance"] in ("kept", "dropped"), [x["reason"] for x in lines]
     switches = [(0, True)] + [(x["from_step"], x["balanced"]) for x in lines if x["from_step"] is not None]

@@ -61,6 +61,22 @@ def test_tag_every_steps_thins_the_tags_and_never_the_record(tmp_path):
         PacingConfig(tag_every_steps=0)
 
 
+def test_by_default_the_tags_follow_the_framework_s_logging_interval():
+    from types import SimpleNamespace
+
+    from pace_strategy.integrations.huggingface import logging_interval
+
+    assert PacingConfig().tag_every_steps is None
+    assert PacingConfig().tagging_every(50).tag_every_steps == 50  # Lightning's log_every_n_steps
+    assert PacingConfig(tag_every_steps=1).tagging_every(50).tag_every_steps == 1  # set: kept
+    assert PacingConfig().tagging_every(0).tag_every_steps == 1
+    # the HF Trainer's logging_steps: a number of steps, or a fraction of max_steps; other strategies: 1
+    assert logging_interval(SimpleNamespace(logging_strategy="steps", logging_steps=10), None) == 10
+    fraction = SimpleNamespace(logging_strategy="steps", logging_steps=0.1)
+    assert logging_interval(fraction, SimpleNamespace(max_steps=95)) == 10
+    assert logging_interval(SimpleNamespace(logging_strategy="epoch", logging_steps=10), None) == 1
+
+
 def test_a_sink_of_our_own_gets_every_window_off_the_training_thread_and_is_closed(tmp_path):
     import threading
 
