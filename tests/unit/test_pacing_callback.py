@@ -64,10 +64,13 @@ def test_is_a_lazy_public_name():
 def test_attaches_to_the_wrapped_model_and_finishes_at_train_end(tmp_path, attached):
     trainer, tensorboard = stand_in_trainer(tmp_path)
     callback = PacingCallback(trainer)
-    args, state, control = SimpleNamespace(output_dir=str(tmp_path)), TrainerState(), TrainerControl()
+    args = SimpleNamespace(output_dir=str(tmp_path), logging_strategy="steps", logging_steps=10)
+    state, control = TrainerState(), TrainerControl()
     callback.on_train_begin(args, state, control, optimizer=None, train_dataloader="the loader")
     (handle,) = attached
-    assert handle.kwargs["model"] == "the wrapped model" and handle.kwargs["config"] is None
+    # the configuration of the PACE_* variables (none: the defaults), tagging as often as the Trainer logs
+    assert handle.kwargs["model"] == "the wrapped model"
+    assert handle.kwargs["config"] == pace_strategy.PacingConfig(tag_every_steps=10)
     assert handle.kwargs["optimizer"] == "the prepared optimizer"
     assert handle.kwargs["dataloaders"] == ["the loader"]
     assert handle.kwargs["run_dir"] == tmp_path / "runs" / "x"  # beside the Trainer's events
