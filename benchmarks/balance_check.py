@@ -96,9 +96,12 @@ def read_mix(run_dir: Path, mix: str) -> dict[str, Any]:
 
     a = load_lines(run_dir)
     verdict = balance_outcome(a)
-    # each step's arm, from the schedule's switches (balanced from the first step)
+    # each step's arm, from the check's switches (balanced from the first step; a "fit" line only
+    # changes the cost model)
     switches = [
-        (s["from_step"], s["balanced"]) for s in a.shares if s.get("balance") and s["from_step"] is not None
+        (s["from_step"], s["balanced"])
+        for s in a.shares
+        if s.get("balance") not in (None, "fit") and s["from_step"] is not None
     ]
     balanced = np.ones(a.steps, dtype=bool)
     for start, arm in switches:
@@ -112,6 +115,7 @@ def read_mix(run_dir: Path, mix: str) -> dict[str, Any]:
         "plain_step_ms": None if verdict is None else verdict.plain_ms,
         "balanced_step_ms": None if verdict is None else verdict.balanced_ms,
         "switches": switches,
+        "cost": None if verdict is None else verdict.cost,
         "median_step_ms": {name: float(np.median(v)) if v.size else None for name, v in arms.items()},
     }
 
