@@ -303,10 +303,10 @@ def _layout(
 
 def _fitted(run_dir: Path) -> list[float] | None:
     """The last cost the online fit scheduled, ``[quadratic_tokens, per_sample]``, from the record."""
+    from pace_strategy.diagnose.rebalance import fitted_cost
     from pace_strategy.telemetry.run_record import read_run_record
 
-    costs = [line["cost"] for line in read_run_record(run_dir).shares if line.get("cost")]
-    return costs[-1] if costs else None
+    return fitted_cost(read_run_record(run_dir).shares)
 
 
 def summarize(raw: dict[str, Any], args: argparse.Namespace, ranks: int) -> list[dict[str, Any]]:

@@ -89,7 +89,7 @@ class CostFit:
         self._xtx = [[0.0] * self._k for _ in range(self._k)]
         self._xty = [0.0] * self._k
         self._rows = 0.0  #: decayed row count
-        self._distinct = 0  #: distinct work sizes seen (lengths that do not vary fit nothing)
+        #: distinct work sizes seen, up to three (lengths that do not vary fit nothing)
         self._seen: set[float] = set()
 
     def add(self, rows: Sequence[Sequence[float]], compute_ms: Sequence[float]) -> None:
@@ -103,14 +103,13 @@ class CostFit:
         self._rows = DECAY * self._rows + len(kept)
         if len(self._seen) < 3:
             self._seen.update(r[1] / r[0] for r, _ in kept)  # tokens per sample
-            self._distinct = len(self._seen)
 
     def cost(self) -> tuple[float, float] | None:
         """``(quadratic_tokens, per_sample)`` of the fit, each to two significant digits, or ``None``
         before :data:`MIN_ROWS` rows of three distinct work sizes or when no positive fit exists.
         Coefficients that come out negative (noise where a term is too small to measure) are left
         out of the fit in turn: first ``c``, then ``a``."""
-        if self._rows < MIN_ROWS or self._distinct < 3:
+        if self._rows < MIN_ROWS or len(self._seen) < 3:
             return None
         # the columns kept, in the order tried: all, without c (linear), without a, b alone
         tries = [(0, 1, 2), (0, 1), (1, 2), (1,)] if self.quadratic else [(0, 1), (1,)]

@@ -4,6 +4,7 @@ global batch; the verdicts of balancing's A/B check and the step time balanced b
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -13,7 +14,14 @@ from pace_strategy.core.config import recorded_switch
 from pace_strategy.diagnose.result import pct
 from pace_strategy.telemetry.arrays import RunArrays, RunLines
 
-__all__ = ["BalanceOutcome", "RebalanceOutcome", "balance_outcome", "per_sample_text", "rebalance_outcome"]
+__all__ = [
+    "BalanceOutcome",
+    "RebalanceOutcome",
+    "balance_outcome",
+    "fitted_cost",
+    "per_sample_text",
+    "rebalance_outcome",
+]
 
 
 @dataclass(frozen=True)
@@ -176,7 +184,6 @@ def balance_outcome(a: RunLines) -> BalanceOutcome | None:
     if not verdicts:
         return None
     last = verdicts[-1]
-    costs = [line["cost"] for line in a.shares if line.get("cost") is not None]
     return BalanceOutcome(
         kept=last["balance"] == "kept",
         plain_ms=float(last["baseline_step_ms"]),
@@ -184,8 +191,15 @@ def balance_outcome(a: RunLines) -> BalanceOutcome | None:
         verdicts=len(verdicts),
         after_step=int(last["after_step"]),
         reason=str(last["reason"]),
-        cost=[float(v) for v in costs[-1]] if costs else None,
+        cost=fitted_cost(a.shares),
     )
+
+
+def fitted_cost(shares: Sequence[Mapping[str, Any]]) -> list[float] | None:
+    """The last cost model fitted online that the record's ``shares`` lines scheduled,
+    ``[quadratic_tokens, per_sample]`` (``None``: the configured one throughout)."""
+    costs = [line["cost"] for line in shares if line.get("cost") is not None]
+    return [float(v) for v in costs[-1]] if costs else None
 
 
 def _split_before(lines: list[dict[str, Any]], trial: dict[str, Any]) -> list[int] | None:

@@ -194,6 +194,10 @@ def test_the_diagnosis_names_the_fitted_cost():
 
     said = BalanceOutcome(True, 30.0, 20.0, 1, 95, "A/B ...: kept", cost=[200.0, 510.0]).text()
     assert "cost model fitted online: per_sample 510, quadratic_tokens 200" in said
+    from pace_strategy.diagnose.rebalance import fitted_cost
+
+    lines = [{"cost": None}, {"cost": [300, 400]}, {"balance": "kept"}, {"cost": [200, 510]}, {}]
+    assert fitted_cost(lines) == [200.0, 510.0] and fitted_cost(lines[:1]) is None
 
 
 # ---------------------------------------------------------------------- a user's cost model
