@@ -1,6 +1,6 @@
 """The ``pace`` command: dispatches ``demo``, ``diagnose``, ``simulate``, ``launch``, ``testbed``,
-``import`` and ``convert`` to the module that owns each, imported only when that command runs (``pace --help``
-imports none)."""
+``import``, ``env``, ``config`` and ``convert`` to the module that owns each, imported only when that
+command runs (``pace --help`` imports none)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "turn a per-rank step table recorded elsewhere into a run record",
     ),
     "env": ("pace_strategy.apps.environment", "versions, devices, backends and the configuration in force"),
+    "config": ("pace_strategy.apps.config_command", "every setting, its default and its PACE_* variable"),
     "convert": (
         "pace_strategy.telemetry.convert",
         "rewrite a run record as JSON lines or with Arrow columns",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pace_strategy.core.config import PacingConfig, check_known_keys
@@ -45,6 +46,10 @@ LIGHTNING_STRATEGIES = {
     "fsdp": (False, True),
 }
 FRAMEWORKS = ("lightning", "accelerate")
+
+
+#: ``output.logger`` values
+LOGGERS = ("tensorboard", "mlflow")
 
 
 def fail_field(where: str, value: Any, expected: str) -> None:
@@ -186,6 +191,24 @@ class OutputRecipe:
     root: str = "runs/recipes"  #: log root (Lightning: TensorBoard root; Accelerate: project_dir parent)
     name: str = "recipe"  #: experiment name under ``root``
     save_weights: str | None = None  #: rank 0 saves the final full state_dict here (``torch.save``)
+    #: ``tensorboard`` or ``mlflow`` (a file store, ``$MLFLOW_TRACKING_URI`` or ``ROOT/mlruns``): the
+    #: Lightning logger or the Accelerate tracker the job and the ``pace/`` tags log to
+    logger: str = "tensorboard"
+    log_loss: bool = False  #: the job logs its loss every step, as a user's job does
+
+    def __post_init__(self) -> None:
+        if self.logger not in LOGGERS:
+            fail_field("output.logger", self.logger, "one of " + ", ".join(LOGGERS))
+
+    def mlflow_uri(self) -> str:
+        """The MLflow tracking URI of ``logger: mlflow``: ``$MLFLOW_TRACKING_URI``, else a file store
+        in ``ROOT/mlruns`` (then ``MLFLOW_ALLOW_FILE_STORE`` is set for this process and the ranks it
+        starts: MLflow 3 refuses a file store without it)."""
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if uri:
+            return uri
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        return (Path(self.root).resolve() / "mlruns").as_uri()
 
 
 @dataclass(frozen=True)

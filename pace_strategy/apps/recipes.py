@@ -66,6 +66,7 @@ def run_lightning(
     from pace_strategy.apps.lightning_job import (
         QUIET_TRAINER,
         ExampleModule,
+        LogLoss,
         Progress,
         SaveWeights,
         ShardedExampleModule,
@@ -81,6 +82,8 @@ def run_lightning(
         all_callbacks.append(InjectStraggler(injected))
     if recipe.output.save_weights:
         all_callbacks.append(SaveWeights(recipe.output.save_weights))
+    if recipe.output.log_loss:
+        all_callbacks.append(LogLoss())
     all_callbacks += callbacks
     world = recipe.trainer.devices * recipe.trainer.num_nodes
     trainer = L.Trainer(
@@ -90,7 +93,7 @@ def run_lightning(
         strategy=_lightning_strategy(recipe),
         max_steps=recipe.trainer.max_steps,
         accumulate_grad_batches=recipe.trainer.accumulate,
-        logger=L.pytorch.loggers.TensorBoardLogger(recipe.output.root, name=recipe.output.name),
+        logger=_lightning_logger(recipe),
         callbacks=all_callbacks,
         **QUIET_TRAINER,
     )
@@ -105,12 +108,22 @@ def run_lightning(
         model: Any = ShardedExampleModule(recipe.model, recipe.fsdp.min_params)
     else:
         model = ExampleModule(recipe.model)
-    # the logger's version, resolved here: ranks started by spawn or fork write where this launcher
+    # TensorBoard's version, resolved here: ranks started by spawn or fork write where this launcher
     # reads afterwards (each would otherwise pick the next free version itself)
-    assert trainer.logger is not None
-    trainer.logger.log_dir  # noqa: B018
+    getattr(trainer.logger, "log_dir", None)
     trainer.fit(model, loader)
     return trainer
+
+
+def _lightning_logger(recipe: TrainRecipe) -> Any:
+    """The recipe's logger: TensorBoard's under ``ROOT/NAME``, or MLflow's (no ``log_dir``: the run
+    record goes where pace_strategy's fallback puts it, ``$PACE_RUN_DIR`` or ``./pace_runs/...``)."""
+    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger
+
+    output = recipe.output
+    if output.logger == "mlflow":
+        return MLFlowLogger(experiment_name=output.name, tracking_uri=output.mlflow_uri())
+    return TensorBoardLogger(output.root, name=output.name)
 
 
 def run_accelerate(recipe: TrainRecipe) -> int:
@@ -127,8 +140,10 @@ def run_accelerate(recipe: TrainRecipe) -> int:
     if recipe.framework != "accelerate":
         fail_field("framework", recipe.framework, "accelerate for run_accelerate")
     project = Path(recipe.output.root) / recipe.output.name
+    if recipe.output.logger == "mlflow":  # accelerate's MLflow tracker reads its store from here
+        os.environ["MLFLOW_TRACKING_URI"] = recipe.output.mlflow_uri()
     accelerator = Accelerator(
-        log_with="tensorboard",
+        log_with=recipe.output.logger,
         project_dir=str(project),
         gradient_accumulation_steps=recipe.trainer.accumulate,
     )
@@ -167,6 +182,8 @@ def run_accelerate(recipe: TrainRecipe) -> int:
             optimizer.step()
             optimizer.zero_grad()
         if accelerator.sync_gradients:
+            if recipe.output.log_loss:
+                accelerator.log({"loss": loss.item()}, step=step)
             step += 1
             progress.step(step)
     if handle is not None:
@@ -197,6 +214,7 @@ def main_for(framework: str, argv: Sequence[str]) -> int:
     if framework == "lightning":
         trainer = run_lightning(recipe)
         if trainer.global_rank == 0 and trainer.logger is not None:
-            print(f"trained {trainer.global_step} steps; logs in {trainer.logger.log_dir}", flush=True)
+            logs = getattr(trainer.logger, "log_dir", None) or recipe.output.mlflow_uri()
+            print(f"trained {trainer.global_step} steps; logs in {logs}", flush=True)
         leave_without_finalization(0)
     leave_without_finalization(run_accelerate(recipe))

@@ -5,11 +5,15 @@ The Trainer runs on an Accelerator of its own, so the callback delegates to
 :func:`~pace_strategy.integrations.accelerate.attach_pacing` (the same hooks: the DDP monitor or the
 FSDP2 collectives, a step from the first batch to the optimizer step that synchronizes gradients,
 input wait in the training dataloader). Only its telemetry differs: the Trainer reports through its
-callbacks, not ``accelerator.log``, so the tags go to the writer of its ``TensorBoardCallback``.
+callbacks, not ``accelerator.log``, so the tags go wherever ``report_to`` points: into the writer
+of its ``TensorBoardCallback`` (one event per step, from the telemetry thread) and through every
+other reporting callback's ``on_log`` (MLflow, W&B, Comet, ...) on the training thread.
 """
 
 from __future__ import annotations
 
+import collections
+import copy
 import logging
 import math
 import os
@@ -52,9 +56,12 @@ class PacingCallback(TrainerCallback):
     At ``on_train_begin`` (every rank) it attaches to ``trainer.model_wrapped``, with the Trainer's
     optimizer and training dataloader; at ``on_train_end`` it finishes (every rank). A step is an
     optimizer step: with ``gradient_accumulation_steps`` only the synchronizing micro-batch ends one.
-    The ``pace/`` tags go to the Trainer's TensorBoard writer (``report_to`` with ``"tensorboard"``)
-    at the Trainer's ``global_step``, beside its ``train/loss``; without that writer only the run
-    record is written. Under ``pace launch`` every Trainer gets one without any code.
+    The ``pace/`` tags go wherever ``report_to`` points, at the Trainer's ``global_step`` of the step
+    they describe, beside its ``train/loss``: into its TensorBoard writer, and through the ``on_log``
+    of every other reporting callback (MLflow, W&B, Comet, ClearML, ...) on the training thread at
+    the end of a step (each tag's steps in increasing order; the Trainer's own metrics untouched).
+    With ``report_to="none"`` only the run record is written. Under ``pace launch`` every Trainer
+    gets one without any code.
 
     Args:
         trainer: the Trainer this callback is added to (the callback needs its accelerator and its
@@ -76,7 +83,7 @@ class PacingCallback(TrainerCallback):
         self.config = config
         self.run_dir = run_dir
         self.handle: PacingHandle | None = None  #: while training: what attach_pacing returned
-        self._tags = _TrainerTensorBoard(trainer)
+        self._tags = _TrainerTags(trainer)
         self._automatic = False  # added by pace launch: gives way to one the script added itself
 
     @override
@@ -102,6 +109,20 @@ class PacingCallback(TrainerCallback):
         time_trainer_syncs(self.handle)
 
     @override
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.handle is None:
+            return
+        if control.should_training_stop:
+            # The last step (the Trainer's own flow callback, first in line, said so on every rank
+            # alike): finish here, while the other callbacks' trackers are still open, so that the
+            # last windows' tags reach them too. Their on_train_end comes before this callback's.
+            handle, self.handle = self.handle, None
+            handle.finish()  # collective: every rank ends training at this step
+        self._tags.flush(args, state, control)
+
+    @override
     def on_evaluate(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -114,11 +135,14 @@ class PacingCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         handle, self.handle = self.handle, None
-        if handle is None:
+        if handle is None:  # finished at the last step already (on_step_end)
+            self._tags.close()
             return
         try:
             handle.finish()  # collective: every rank ends training here
         finally:
+            # the trackers of the other callbacks are ended by now: what is left goes to TensorBoard
+            # and the record only
             self._tags.close()
 
     def _automatic_attaches(self, model: Any) -> bool:
@@ -196,15 +220,31 @@ def trainer_loop(trainer: Any, args: Any) -> RebalanceLoop:
     )
 
 
-class _TrainerTensorBoard:
-    """The ``pace/`` tags into the writer of the Trainer's ``TensorBoardCallback`` (rank 0).
+#: reporting callbacks whose ``on_log`` does more than log the values given: DVCLive's advances its
+#: own step counter on every call (the Trainer's steps would drift from DVCLive's); CodeCarbon's
+#: logs nothing
+NOT_LOGGED_THROUGH = ("DVCLiveCallback", "CodeCarbonCallback")
 
-    Written on the session's telemetry thread, so a step costs the training thread nothing. The
-    Trainer closes its writer in its own ``on_train_end``, before this callback's (callbacks run in
-    the order added) and so before the last window is published: from then on the tags go to a
-    writer of our own in the same directory, a later event file that TensorBoard reads after the
-    Trainer's. One file is written at a time, so TensorBoard's live reload misses nothing.
+
+class _TrainerTags:
+    """The ``pace/`` tags into the Trainer's reporting callbacks (rank 0).
+
+    TensorBoard: written into the writer of the Trainer's ``TensorBoardCallback`` on the session's
+    telemetry thread, so a step costs the training thread nothing. The Trainer closes its writer in
+    its own ``on_train_end``, before this callback's (callbacks run in the order added) and so
+    possibly before the last window is published: from then on the tags go to a writer of our own
+    in the same directory, a later event file that TensorBoard reads after the Trainer's. One file
+    is written at a time, so TensorBoard's live reload misses nothing.
+
+    Every other reporting callback (``report_to``: MLflow, W&B, Comet, ...): its trackers' clients
+    promise nothing about a second thread, so the tags wait in a queue and :meth:`flush` hands them
+    to its ``on_log`` on the training thread at the end of a step, each with a copy of the
+    Trainer's state whose ``global_step`` is the step they describe. No step argument reaches a
+    tracker that drops steps behind its own (W&B plots against ``train/global_step``).
     """
+
+    #: tagged steps kept for :meth:`flush` (a window's worth many times over); older ones are dropped
+    QUEUE = 4096
 
     def __init__(self, trainer: Any) -> None:
         self._trainer = trainer
@@ -213,10 +253,33 @@ class _TrainerTensorBoard:
         self._log_dir: str | None = None
         self._used: Any | None = None  # the Trainer's writer, last seen open
         self._own: Any | None = None
+        self._others: list[Any] = []  # the reporting callbacks other than TensorBoard's
+        self._queue: collections.deque[tuple[int, dict[str, float]]] = collections.deque(maxlen=self.QUEUE)
 
     def start(self, global_step: int) -> None:
         self._first_step = global_step
         self._log_dir = self.log_dir()  # while the Trainer's writer is open (on_train_begin)
+        self._others = self._reporting_callbacks()
+
+    def _reporting_callbacks(self) -> list[Any]:
+        """The Trainer's reporting callbacks (``report_to``) other than TensorBoard's."""
+        from transformers.integrations import INTEGRATION_TO_CALLBACK, TensorBoardCallback
+
+        kinds = tuple(
+            kind
+            for kind in INTEGRATION_TO_CALLBACK.values()
+            if kind is not TensorBoardCallback and kind.__name__ not in NOT_LOGGED_THROUGH
+        )
+        return [c for c in self._trainer.callback_handler.callbacks if isinstance(c, kinds)]
+
+    def flush(self, args: Any, state: Any, control: Any) -> None:
+        """Hand the queued tags to the other reporting callbacks (training thread, rank 0)."""
+        while self._queue:
+            global_step, metrics = self._queue.popleft()
+            at_step = copy.copy(state)  # shallow: the log history stays the Trainer's own
+            at_step.global_step = global_step
+            for callback in self._others:
+                callback.on_log(args, at_step, control, logs=dict(metrics))
 
     def _trainer_writer(self) -> Any | None:
         # Imported here: transformers.integrations costs seconds, and a Trainer that reports to
@@ -235,6 +298,8 @@ class _TrainerTensorBoard:
     def write(self, metrics: Mapping[str, float], step: int) -> None:
         # pace step i (from 0) is the Trainer's (i + 1)-th optimizer step: global_step i + 1
         global_step = self._first_step + step + 1
+        if self._others:
+            self._queue.append((global_step, dict(metrics)))
         with self._lock:
             writer = self._trainer_writer()
             if writer is not None:
@@ -266,6 +331,7 @@ class _TrainerTensorBoard:
                 writer.add_custom_scalars(dict(layout))
 
     def close(self) -> None:
+        self._queue.clear()  # the other callbacks' trackers are ended (their on_train_end came first)
         with self._lock:
             if self._own is not None:
                 self._own.close()

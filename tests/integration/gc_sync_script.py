@@ -1,6 +1,8 @@
 """Run by test_gc_sync.py: the example job, GC-heavy, on 2 CPU ranks with ``paced_ddp`` and
-``gc_sync``. After training each rank writes OUT_DIR/rank_RANK.json: its collector's settings (they
-must be back as before training) and how many objects it still tracks (garbage must not pile up).
+``gc_sync``, logging its loss every step to Lightning's ``MLFlowLogger`` (a file store in
+OUT_DIR/mlruns; a logger without a ``log_dir``). After training each rank writes
+OUT_DIR/rank_RANK.json: its collector's settings (they must be back as before training) and how many
+objects it still tracks (garbage must not pile up).
 
     python gc_sync_script.py OUT_DIR
 """
@@ -32,7 +34,7 @@ def main(out: Path) -> None:
         {
             "trainer": {"devices": 2, "strategy": "paced_ddp", "max_steps": STEPS},
             "model": {"compute_ms": 5.0, "gc_heap_objects": HEAP, "gc_garbage_objects": GARBAGE},
-            "output": {"root": str(out / "runs"), "name": "gc"},
+            "output": {"root": str(out), "name": "gc", "logger": "mlflow", "log_loss": True},
             "pacing": {
                 "gc_sync": {"enabled": True, "warmup_steps": 5},
                 "exchange_every_steps": 8,
@@ -54,7 +56,7 @@ def main(out: Path) -> None:
         "before": before,
         "after": after,
         "garbage_objects_held": tracked - len(gc.get_objects()),
-        "log_dir": trainer.logger.log_dir,
+        "run_id": trainer.logger.run_id,
     }
     (out / f"rank_{trainer.global_rank}.json").write_text(json.dumps(result))
     leave_without_finalization(0)

@@ -111,6 +111,29 @@ def read_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
     return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
 
 
+def read_mlflow(store: Path, key: str, run_id: str | None = None) -> dict[int, float]:
+    """``key``'s values by step in the one run (or ``run_id``) of the MLflow file store ``store``,
+    read by MLflow's own client (in any order: the HF Trainer's MLflow callback logs asynchronously,
+    and MLflow keys a metric's values by step)."""
+    from mlflow.tracking import MlflowClient
+
+    allow = os.environ.get("MLFLOW_ALLOW_FILE_STORE")
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"  # MLflow 3 refuses a file store without it
+    try:
+        client = MlflowClient(tracking_uri=store.as_uri(), registry_uri=store.as_uri())
+        if run_id is None:
+            (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+            assert run.info.status == "FINISHED", run.info
+            run_id = run.info.run_id
+        history = client.get_metric_history(run_id, key)
+    finally:
+        if allow is None:
+            del os.environ["MLFLOW_ALLOW_FILE_STORE"]
+        else:
+            os.environ["MLFLOW_ALLOW_FILE_STORE"] = allow
+    return {m.step: m.value for m in history}
+
+
 def read_dashboard(log_dir: Path) -> dict[str, dict[str, tuple[str, list[str]]]]:
     """The custom-scalars layouts written under ``log_dir`` (TensorBoard's Custom Scalars tab), read
     back from the event files: category -> chart title -> ("Multiline", tag regexes) or ("Margin",

@@ -17,7 +17,7 @@ import pytest
 
 from pace_strategy.integrations.accelerate import config_from_env
 from pace_strategy.telemetry import TAGS, lead_tag, read_run_record
-from tests.integration.helpers import ACCELERATE_CPU_CONFIG, read_scalars, why_failed
+from tests.integration.helpers import ACCELERATE_CPU_CONFIG, read_mlflow, read_scalars, why_failed
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -78,15 +78,22 @@ def test_pace_launch_reads_the_pacing_config_section(tmp_path):
 
 
 def test_plain_accelerate_launch_with_pace_variables_and_accumulation(tmp_path):
+    """Also: accelerate's MLflow tracker (a file store) instead of TensorBoard, the script logging its
+    loss every step: the tags reach MLflow (handed over on the training thread) beside the loss."""
     env = {"ACCELERATE_USE_CPU": "1", "PACE_MODE": "monitor", "PACE_EXCHANGE_EVERY_STEPS": "4"}
     config = ACCELERATE_CPU_CONFIG.format(kind="MULTI_GPU")
-    out = launch(tmp_path, ACCELERATE, config, "trainer.max_steps=10", "trainer.accumulate=4", env=env)
+    overrides = ("trainer.max_steps=10", "trainer.accumulate=4")
+    overrides += ("output.logger=mlflow", "output.log_loss=true")
+    out = launch(tmp_path, ACCELERATE, config, *overrides, env=env)
     assert out.returncode == 0, why_failed(out.stderr, 3000)
     assert "trained 10 steps" in out.stdout  # 40 micro-batches, 4 per optimizer step
     record = read_run_record(tmp_path / "proj")
     assert record.header["config"]["exchange_every_steps"] == 4
     assert [s["step"] for s in record.steps] == list(range(10))  # only synchronizing steps
     assert all(s["valid"] for s in record.steps)
+    assert sorted(read_mlflow(tmp_path / "mlruns", "loss")) == list(range(10))  # the script's own
+    for tag in TAGS:
+        assert sorted(read_mlflow(tmp_path / "mlruns", tag)) == list(range(10)), tag
 
 
 def test_bad_pacing_config_fails_at_launch(tmp_path):

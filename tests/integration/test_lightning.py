@@ -36,6 +36,7 @@ WARMUP = 5  # PacingConfig().warmup_steps
 
 
 @pytest.mark.alone
+@pytest.mark.long  # Lightning's TensorBoard tags: test_fabric, test_artifacts; the endpoint: test_pytorch
 def test_paced_ddp_telemetry_names_the_injected_straggler(tmp_path):
     """TensorBoard (with its dashboard), the run record, the demo's summary and, while the Trainer
     trains, rank 0's live Prometheus endpoint scraped over HTTP: one run."""

@@ -1,7 +1,8 @@
 """Zero-code pacing, 2 CPU processes: scripts with nothing of pace_strategy in them, started by `pace
 launch` with a pacing_config section (paced, telemetry in the script's own TensorBoard logs) and by
 plain `accelerate launch` (left alone). An Accelerate loop with gradient accumulation and a
-transformers.Trainer (tiny BERT from a config, report_to tensorboard, gradient accumulation 2).
+transformers.Trainer (tiny BERT from a config, report_to tensorboard and mlflow, gradient accumulation
+2).
 
 The four launches start together (module fixture) and overlap: most of their time is imports.
 Explicit attach_pacing under `pace launch` (taking over the automatic attach) runs in
@@ -24,6 +25,7 @@ from tests.integration.helpers import (
     check_dashboard,
     free_port,
     parse_metrics,
+    read_mlflow,
     read_scalars,
     why_failed,
 )
@@ -60,7 +62,12 @@ LAUNCHES = {
         ACCELERATE_CPU_CONFIG.format(kind="MULTI_CPU") + PACING + f"  metrics_port: {TRAINER_SCRAPE_PORT}\n",
         "zero_code_trainer_script.py",
         "8",
-        {"SCRAPE_PORT": str(TRAINER_SCRAPE_PORT)},
+        # and reports to MLflow (a file store in the launch's directory) beside TensorBoard
+        {
+            "SCRAPE_PORT": str(TRAINER_SCRAPE_PORT),
+            "MLFLOW_TRACKING_URI": "file://{dir}/mlruns",
+            "MLFLOW_ALLOW_FILE_STORE": "true",  # MLflow 3 refuses a file store without it
+        },
     ),
     "trainer-late": (
         PACE,
@@ -91,7 +98,7 @@ class Launch:
                 str(self.out),
                 steps,
             ],
-            env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+            env={**os.environ, "OMP_NUM_THREADS": "1", **{k: v.format(dir=self.dir) for k, v in env.items()}},
             cwd=self.dir,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -120,6 +127,7 @@ USES = {
     "test_an_unchanged_accelerate_script_is_paced_by_pace_launch": "accelerate",
     "test_plain_accelerate_launch_leaves_the_same_script_alone": "plain",
     "test_an_unchanged_trainer_script_gets_pace_tags_in_its_tensorboard_logs": "trainer",
+    "test_the_trainer_s_pace_tags_go_to_mlflow_too": "trainer",
     "test_a_rank_late_to_the_trainer_s_pre_step_gather_is_the_straggler": "trainer-late",
 }
 
@@ -193,6 +201,20 @@ def test_an_unchanged_trainer_script_gets_pace_tags_in_its_tensorboard_logs(laun
     assert all(sorted(scalars[tag]) == list(range(1, 9)) for tag in TAGS)
     assert statistics.median(scalars["pace/straggler_rank"].values()) == 1.0
     check_scraped(stdout)
+
+
+def test_the_trainer_s_pace_tags_go_to_mlflow_too(launches):
+    """report_to=["tensorboard", "mlflow"], a file store: the tags reach MLflow through its own
+    callback at the Trainer's global steps, in order, the last window's included (the Trainer ends
+    its MLflow run in on_train_end, before pacing's callback: pacing finishes at the last step), and
+    the Trainer's loss, logged at every step, is all there beside them."""
+    launch = launches["trainer"]
+    launch.result()
+    store = launch.dir / "mlruns"
+    assert sorted(read_mlflow(store, "loss")) == list(range(1, 9))  # the Trainer's own metric, untouched
+    for tag in TAGS:
+        assert sorted(read_mlflow(store, tag)) == list(range(1, 9)), tag
+    assert statistics.median(read_mlflow(store, "pace/straggler_rank").values()) == 1.0
 
 
 def test_a_rank_late_to_the_trainer_s_pre_step_gather_is_the_straggler(launches):

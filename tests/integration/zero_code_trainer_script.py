@@ -2,11 +2,12 @@
 
     accelerate launch ... zero_code_trainer_script.py OUT_DIR MAX_STEPS
 
-A tiny BERT built from a config (nothing downloaded), TensorBoard reporting, gradient accumulation
-2; rank 1 sleeps 20 ms in every forward, 40 ms per optimizer step. With ZERO_CODE_TRAINER_MODE=late
-rank 1 sleeps 40 ms after each optimizer step instead: it starts each step late, and since the
-Trainer gathers each step's label count across ranks after loading the step's batches, rank 0 waits
-for it there, not at the gradient sync. Rank 0 prints the Trainer's callbacks.
+A tiny BERT built from a config (nothing downloaded), TensorBoard reporting (and MLflow's, given
+MLFLOW_TRACKING_URI), the loss logged at every step, gradient accumulation 2; rank 1 sleeps 20 ms
+in every forward, 40 ms per optimizer step. With ZERO_CODE_TRAINER_MODE=late rank 1 sleeps 40 ms
+after each optimizer step instead: it starts each step late, and since the Trainer gathers each
+step's label count across ranks after loading the step's batches, rank 0 waits for it there, not
+at the gradient sync. Rank 0 prints the Trainer's callbacks.
 """
 
 from __future__ import annotations
@@ -38,13 +39,13 @@ class SlowOnRank1(BertForSequenceClassification):
         return super().forward(input_ids=input_ids, labels=labels, **kwargs)
 
 
-class ScrapeAtTrainEnd(TrainerCallback):
+class ScrapeAtTheLastStep(TrainerCallback):
     """Rank 0 reads its Prometheus endpoint (SCRAPE_PORT; the test's pacing_config has metrics_port)
-    over HTTP at the end of training, before pace_strategy's own callback (added after this one)
-    closes it, and prints the pace_ lines."""
+    over HTTP at the end of the last step, before pace_strategy's own callback (added after this
+    one) finishes and closes it, and prints the pace_ lines."""
 
-    def on_train_end(self, args, state, control, **kwargs):
-        if dist.get_rank() != 0:
+    def on_step_end(self, args, state, control, **kwargs):
+        if dist.get_rank() != 0 or not control.should_training_stop:
             return
         time.sleep(1.0)  # the telemetry thread publishes the last exchanged window
         url = f"http://127.0.0.1:{os.environ['SCRAPE_PORT']}/metrics"
@@ -80,7 +81,8 @@ def main(out: str, max_steps: int) -> None:
     )
     args = TrainingArguments(
         output_dir=out,
-        report_to=["tensorboard"],
+        # with MLFLOW_TRACKING_URI (a file store) the Trainer reports to MLflow as well
+        report_to=["tensorboard", "mlflow"] if os.environ.get("MLFLOW_TRACKING_URI") else ["tensorboard"],
         gradient_accumulation_steps=2,
         max_steps=max_steps,
         per_device_train_batch_size=2,
@@ -91,7 +93,7 @@ def main(out: str, max_steps: int) -> None:
     )
     callbacks: list[TrainerCallback] = [LateStartOnRank1()] if LATE_START else []
     if os.environ.get("SCRAPE_PORT"):
-        callbacks.append(ScrapeAtTrainEnd())
+        callbacks.append(ScrapeAtTheLastStep())
     trainer = Trainer(model=SlowOnRank1(config), args=args, train_dataset=Tokens(), callbacks=callbacks)
     trainer.train()
     if trainer.is_world_process_zero():

@@ -49,3 +49,40 @@ def test_the_command_prints_json_and_text():
             assert main(argv) == 0
         assert check(out.getvalue())
     assert "configuration in force" in out.getvalue() and "torch" in out.getvalue()
+
+
+def _run(argv: list[str]) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(argv) == 0
+    return out.getvalue()
+
+
+def test_pace_config_lists_every_setting_with_the_variable_the_environment_reads():
+    from pace_strategy.integrations.env import config_from_env
+
+    rows = json.loads(_run(["config", "--json"]))
+    assert [r["name"] for r in rows] == list(PacingConfig.dotted_fields())
+    defaults = PacingConfig().to_dict()
+    for row in rows:
+        group, _, leaf = row["name"].rpartition(".")
+        assert row["default"] == (defaults[group][leaf] if group else defaults[row["name"]])
+        assert row["doc"], row["name"]  # every setting says what it means
+    # the variable named is the one that sets it: a changed value read back through the environment
+    by_name = {r["name"]: r for r in rows}
+    quantum = by_name["rebalance.quantum"]["variable"]
+    assert config_from_env({quantum: "8"}).rebalance.quantum == 8
+    switch = by_name["rebalance.enabled"]["variable"].split(" or ")[-1]
+    assert switch == "PACE_REBALANCE" and config_from_env({switch: "1"}).rebalance.enabled is True
+    text = _run(["config", "hang"])  # a group's name selects its settings
+    assert "hang.timeout_s" in text and "PACE_HANG__TIMEOUT_S" in text and "rebalance." not in text
+
+
+def test_pace_config_names_the_nearest_setting_for_a_misspelt_one(capsys):
+    try:
+        main(["config", "rebalanse"])
+    except SystemExit as stop:
+        assert stop.code == 2
+    else:
+        raise AssertionError("an unknown setting must fail")
+    assert "Did you mean 'rebalance'" in capsys.readouterr().err

@@ -125,3 +125,49 @@ def test_the_automatic_callback_gives_way(tmp_path, attached, caplog):
     automatic.on_train_begin(args, state, control)  # one process: nothing to pace
     assert not attached
     tensorboard.on_train_end(args, state, control)
+
+
+def test_tags_reach_every_reporting_callback_on_the_training_thread_in_step_order(tmp_path, attached):
+    """report_to beyond TensorBoard (here MLflow's callback class, its on_log recording what it is
+    given; the real MLflow store is read in tests/integration/test_zero_code.py): the telemetry
+    thread's tags wait for the end of a step and go through the callback's on_log, on the training
+    thread, at the Trainer's global step they describe; at the last step pacing finishes before
+    the Trainer ends the other callbacks' runs (their on_train_end comes first), so the last
+    window's tags get there too, and nothing goes to them after."""
+    from transformers.integrations import MLflowCallback
+
+    class Recorded(MLflowCallback):
+        def __init__(self):
+            super().__init__()
+            self.logged = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.logged.append((state.global_step, dict(logs), threading.current_thread()))
+
+    trainer, tensorboard = stand_in_trainer(tmp_path)
+    other = Recorded()
+    trainer.callback_handler.callbacks.append(other)
+    callback = PacingCallback(trainer)
+    args, state, control = SimpleNamespace(output_dir=str(tmp_path)), TrainerState(), TrainerControl()
+    callback.on_train_begin(args, state, control, optimizer="o", train_dataloader=None)
+    handle = attached[0]
+    sink = handle.kwargs["metrics_sink"]
+    window = threading.Thread(target=lambda: [sink({"pace/skew_ms": 40.0 + i}, i) for i in range(3)])
+    window.start()  # the session's telemetry thread: nothing reaches the other callback from it
+    window.join()
+    assert other.logged == []
+    state.global_step = 3
+    callback.on_step_end(args, state, control)  # the training thread: steps 1-3, in order
+    me = threading.current_thread()
+    assert other.logged == [(1 + i, {"pace/skew_ms": 40.0 + i}, me) for i in range(3)]
+    assert state.global_step == 3  # the Trainer's own state untouched
+    handle.finish = lambda: (sink({"pace/skew_ms": 43.0}, 3), setattr(handle, "finished", 1))  # last window
+    state.global_step, control.should_training_stop = 4, True
+    callback.on_step_end(args, state, control)
+    assert handle.finished == 1 and callback.handle is None
+    assert [step for step, _, _ in other.logged] == [1, 2, 3, 4]
+    sink({"pace/skew_ms": 44.0}, 4)  # too late: the other trackers have ended (TensorBoard has it)
+    callback.on_train_end(args, state, control)  # finished already: nothing more
+    assert handle.finished == 1 and len(other.logged) == 4
+    assert read_scalars(tmp_path / "runs" / "x")["pace/skew_ms"] == {1 + i: 40.0 + i for i in range(5)}
+    tensorboard.on_train_end(args, state, control)

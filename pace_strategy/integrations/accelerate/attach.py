@@ -3,10 +3,11 @@
 accelerate's ``DistributedDataParallelKwargs`` cannot carry a custom comm hook, so the DDP monitor
 goes on the prepared model (an FSDP2 model's all-gathers and reduce-scatters go through the pacer
 instead). Steps are marked from the model's forward, the prepared dataloaders and the optimizer's
-step; telemetry goes through ``accelerator.log`` (or a given sink). Everything registered is kept
-on the :class:`PacingHandle`, which removes it again (:meth:`PacingHandle.detach`): a SIGTERM handler
-too, which closes the run record as ``terminated`` and passes the signal on. The handle is what
-``accelerator.register_for_checkpointing`` takes to save and restore the pacing state.
+step; telemetry goes to the accelerator's trackers (:mod:`.trackers`; or a given sink). Everything
+registered is kept on the :class:`PacingHandle`, which removes it again
+(:meth:`PacingHandle.detach`): a SIGTERM handler too, which closes the run record as ``terminated``
+and passes the signal on. The handle is what ``accelerator.register_for_checkpointing`` takes to
+save and restore the pacing state.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import importlib.metadata
 import logging
 import os
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +27,8 @@ from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.driver import PacingDriver
 from pace_strategy.integrations._model import data_rebalance, is_paceable, model_is_fsdp2, pace_model
 from pace_strategy.integrations._preemption import SigtermHandler
-from pace_strategy.integrations.dashboard import add_scalars, custom_scalars_sink
+from pace_strategy.integrations.accelerate.trackers import TrackerTags, tensorboard_writers
+from pace_strategy.integrations.dashboard import custom_scalars_sink
 from pace_strategy.integrations.data import forward_tokens, loader_workers, time_dataloader
 from pace_strategy.integrations.env import (
     ENV_PREFIX,
@@ -172,7 +174,7 @@ def attach_pacing(
             trackers' directory; it is ``project_dir`` unless set apart), else ``$PACE_RUN_DIR``,
             else ``./pace_runs/<date-time>``.
         metrics_sink: rank 0: receives every step's ``pace/`` tags and its step, on the telemetry
-            thread (default: ``accelerator.log``, i.e. the accelerator's trackers).
+            thread (default: the accelerator's trackers, :class:`.trackers.TrackerTags`).
         rebalance_loop: with ``rebalance=True``, how the training loop draws batches and normalizes
             its loss (:class:`RebalanceLoop`; default: a script's own loop).
         dashboard: rank 0: receives the TensorBoard custom-scalars layout of the tags once (default:
@@ -192,7 +194,7 @@ def attach_pacing(
     fsdp = model_is_fsdp2(model, "attach_pacing needs the model that accelerator.prepare returned")
     optimizer = _the_optimizer(accelerator) if optimizer is None else optimizer
     loaders = _prepared(accelerator, "dataloader") if dataloaders is None else list(dataloaders)
-    rank = accelerator.process_index
+    rank, trackers = accelerator.process_index, TrackerTags(accelerator) if metrics_sink is None else None
     session = PacingSession.with_side_group(
         config,
         rank=rank,
@@ -200,8 +202,8 @@ def attach_pacing(
         device=accelerator.device,
         framework="accelerate",
         log_dir=_run_dir(accelerator, run_dir) if rank == 0 else None,
-        metrics_sink=metrics_sink or _trackers_sink(accelerator),
-        dashboard=dashboard or custom_scalars_sink(lambda: _tensorboard_writers(accelerator)),
+        metrics_sink=metrics_sink if trackers is None else trackers.write,
+        dashboard=dashboard or custom_scalars_sink(lambda: tensorboard_writers(accelerator)),
         local_rank=accelerator.local_process_index,
     )
     handle = PacingHandle(model, config, session)
@@ -212,7 +214,7 @@ def attach_pacing(
             micro_batches = loop.micro_batches or int(getattr(accelerator, "gradient_accumulation_steps", 1))
             _rebalance_data(handle, session, loaders, fsdp, micro_batches, loop.prefetch)
         pace_model(handle, model, session, fsdp, scale_gradient=not loop.loss_over_global_batch)
-        _register(handle, model, session, optimizer, loaders)
+        _register(handle, model, session, optimizer, loaders, trackers)
     except BaseException:
         handle.detach()
         raise
@@ -306,13 +308,19 @@ def _register(
     session: PacingSession,
     optimizer: Any,
     loaders: list[Any],
+    trackers: TrackerTags | None,
 ) -> None:
-    """The step's hooks: a forward begins it (unless a batch did), the optimizer's step ends it."""
+    """The step's hooks: a forward begins it (unless a batch did), the optimizer's step ends it;
+    after it the queued tags go to the non-TensorBoard ``trackers`` (on the training thread)."""
     undo = handle.on_detach  # undone in reverse order
+    if trackers is not None:
+        undo(trackers.flush)  # at detach: after finish published the last window
     undo(model.register_forward_pre_hook(handle._begin, with_kwargs=True).remove)
     # accelerate's optimizer wrapper steps the wrapped optimizer only where gradients synchronize.
     inner = getattr(optimizer, "optimizer", optimizer)
     undo(inner.register_step_post_hook(handle._end).remove)
+    if trackers is not None:
+        undo(inner.register_step_post_hook(trackers.flush).remove)
     if inner is not optimizer:
         undo(_end_skipped_steps(handle, optimizer))
     for loader in loaders:
@@ -374,31 +382,6 @@ def _rebalance_data(
         )
     rebalance = data_rebalance(handle, session, fsdp, lambda: handle.steps, prefetch, micro_batches)
     rebalance.replace_prepared(loaders[0])
-
-
-def _is_tensorboard_tracker(tracker: Any) -> bool:
-    """One of accelerate's TensorBoard trackers (``log_with="tensorboard"``), with its writer."""
-    return getattr(tracker, "name", None) == "tensorboard" and hasattr(tracker, "writer")
-
-
-def _tensorboard_writers(accelerator: Any) -> list[Any]:
-    """The writers of the accelerator's TensorBoard trackers."""
-    return [t.writer for t in getattr(accelerator, "trackers", []) if _is_tensorboard_tracker(t)]
-
-
-def _trackers_sink(accelerator: Any) -> MetricsSink:
-    """Each step's tags into every tracker, as ``accelerator.log(metrics, step=step)`` would, but into
-    a TensorBoard tracker's writer as one event (:func:`~pace_strategy.integrations.dashboard.add_scalars`:
-    its ``log`` writes one event per tag, most of what the tags cost)."""
-
-    def sink(metrics: Mapping[str, float], step: int) -> None:
-        for tracker in getattr(accelerator, "trackers", []):
-            if _is_tensorboard_tracker(tracker):
-                add_scalars(tracker.writer, metrics, step)
-            else:
-                tracker.log(dict(metrics), step=step)
-
-    return sink
 
 
 def _prepared(accelerator: Any, kind: Literal["optimizer", "dataloader"]) -> list[Any]:
