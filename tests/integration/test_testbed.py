@@ -304,3 +304,50 @@ def test_the_side_group_finds_the_interface_that_routes_to_the_master(tmp_path):
         assert f"side group over {node.ifname} (job: {node.ifname}) sum 2" in out, out[-2000:]
         # lazily connected: its listening socket only (an eager group also connects to the peer)
         assert "side group built with 1 sockets" in out, out[-2000:]
+
+
+@pytest.mark.long
+def test_the_multinode_guide_s_torchrun_rendezvous_across_two_emulated_nodes(tmp_path):
+    """docs/multinode.md's torchrun line (a c10d rendezvous on node a, one torchrun per node), run
+    on two nodes in network namespaces with a plain-PyTorch DDP loop (pytorch_script.py): the record
+    has each rank's node from torchrun's GROUP_RANK and each node's host name; the slow rank is named."""
+    from pace_strategy.telemetry import read_run_record
+    from tests.integration.helpers import free_port
+    from tests.integration.netns import two_node_fabric
+
+    script = Path(__file__).with_name("pytorch_script.py")
+    with two_node_fabric(slow_rate_mbit=1000) as (a, b):
+        port = str(free_port())
+        procs = []
+        for node in (a, b):
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(script.parents[2]))
+            # the job's own gloo group needs its interface (NCCL finds its own); the side group
+            # finds the one that routes to the master itself
+            env.update(GLOO_SOCKET_IFNAME=node.ifname, PACE_HOSTNAME=node.host, METRICS_PORT=str(free_port()))
+            # the emulated nodes share the machine's host name, which resolves to neither: node a
+            # is told it hosts the rendezvous store, and each node its own address (torchrun's
+            # --local-addr, which becomes the workers' MASTER_ADDR on the first node)
+            host = f"is_host={int(node is a)}"
+            cmd = ["ip", "netns", "exec", node.netns, sys.executable, "-m", "torch.distributed.run",
+                   "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", f"{a.address}:{port}", "--rdzv-id", "guide", "--rdzv-conf", host,
+                   "--local-addr", node.address, str(script), str(tmp_path), "ddp"]  # fmt: skip
+            procs.append(
+                subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            )
+        try:
+            outs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    print(p.communicate()[0][-3000:])
+    for out, p in zip(outs, procs, strict=True):
+        assert p.returncode == 0, why_failed(out, 3000)
+    record = read_run_record(tmp_path / "record")
+    topology = sorted(record.header["topology"], key=lambda t: t["rank"])
+    assert [t["node_rank"] for t in topology] == [0, 1] and [t["local_rank"] for t in topology] == [0, 0]
+    assert {t["host"] for t in topology} == {a.host, b.host}, topology
+    assert record.end["status"] == "completed"
+    measured = [s for s in record.steps if not s["warmup"]]
+    assert sum(s["straggler_rank"] == 1 for s in measured) >= 0.8 * len(measured)
