@@ -12,6 +12,7 @@ session that saw no training step leaves no file and no directory.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -145,7 +146,7 @@ class PacingSession:
         )
         self._loader_workers = LoaderWorkers()
         self.watchdog = start_watchdog(
-            config.hang,
+            dataclasses.replace(config.hang, action=config.hang_action),
             rank=rank,
             world_size=world_size,
             topology=self.topology,

@@ -37,7 +37,7 @@ ExchangeTopology = Literal["flat", "node_leaders"]
 _EXCHANGE_TOPOLOGIES: tuple[str, ...] = get_args(ExchangeTopology)
 RecordFormat = Literal["jsonl", "arrow"]
 _RECORD_FORMATS: tuple[str, ...] = get_args(RecordFormat)
-HangAction = Literal["abort", "log"]
+HangAction = Literal["auto", "abort", "log"]
 _HANG_ACTIONS: tuple[str, ...] = get_args(HangAction)
 
 
@@ -90,13 +90,14 @@ class HangConfig(_Group):
         ),
     )
     action: HangAction = field(
-        default="abort",
+        default="auto",
         metadata=doc(
             """What a rank does once its watchdog has named hung ranks (after logging them and, on rank
             0, writing a ``hang`` line to the run record). ``"abort"``: close the run record with status
             ``hung`` and exit the process with code 75 so that the launcher can restart the job.
             ``"log"``: only log and record; training keeps waiting (for the process-group timeout, or
-            for the rank to come back)."""
+            for the rank to come back). ``"auto"``: ``"log"`` in ``mode="monitor"`` (observing ends
+            no process unless asked), ``"abort"`` in the modes that pace."""
         ),
     )
 
@@ -738,6 +739,13 @@ class PacingConfig:
     def field_docs(cls) -> dict[str, str]:
         """Map of field name to its documentation (meaning, unit)."""
         return {f.name: f.metadata.get("doc", "") for f in fields(cls)}
+
+    @property
+    def hang_action(self) -> Literal["abort", "log"]:
+        """``hang.action`` in force: ``"auto"`` is ``"log"`` in monitor mode, else ``"abort"``."""
+        if self.hang.action == "auto":
+            return "log" if self.mode == "monitor" else "abort"
+        return self.hang.action
 
     @property
     def splits_batches(self) -> bool:

@@ -41,7 +41,7 @@ class Module(pl.LightningModule):
 def main(out: Path) -> None:
     torch.set_num_threads(1)
     trainer = pl.Trainer(
-        strategy=PacedDDPStrategy(pacing={"mode": "monitor", "hang": {"timeout_s": 3.0}}),
+        strategy=PacedDDPStrategy(pacing={"mode": "monitor", "hang": {"timeout_s": 3.0, "action": "abort"}}),
         accelerator="cpu",
         devices=2,
         max_steps=100_000,

@@ -142,7 +142,12 @@ def test_rounds_on_a_real_store_name_the_rank_whose_entry_stopped():
 
 
 def test_hang_fields_are_validated_at_start():
-    assert PacingConfig().hang == HangConfig(timeout_s=120.0, action="abort")
+    assert PacingConfig().hang == HangConfig(timeout_s=120.0, action="auto")
+    # observing ends no process unless asked; the modes that pace end a hung job
+    assert PacingConfig(mode="monitor").hang_action == "log"
+    assert PacingConfig(mode="adaptive").hang_action == PacingConfig(mode="forced").hang_action == "abort"
+    assert PacingConfig(mode="monitor", hang={"action": "abort"}).hang_action == "abort"
+    assert PacingConfig(hang={"action": "log"}).hang_action == "log"
     assert stale_after_s(120.0) == 60.0
     with pytest.raises(PacingConfigError, match=r"PacingConfig\.hang\.action="):
         PacingConfig(hang=HangConfig(action="kill"))
