@@ -27,7 +27,7 @@ fi
 "$VENV/bin/python" -m pip freeze | grep -iE '^(torch|lightning|accelerate|transformers)=='
 # every adapter's integration tests that make test runs (the long tier's are left out here too)
 OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-    -m "not long" "${@:-}" \
+    -m "not long" "$@" \
     tests/integration/test_lightning.py tests/integration/test_fabric.py \
     tests/integration/test_accelerate.py tests/integration/test_zero_code.py \
     tests/integration/test_pytorch.py tests/integration/test_fsdp.py tests/integration/test_rebalance.py

@@ -212,7 +212,9 @@ class PacedStrategyMixin(_StrategyBase):
     def load_checkpoint(
         self, checkpoint_path: str | os.PathLike[str], weights_only: bool | None = None
     ) -> dict[str, Any]:
-        checkpoint = cast(_StrategyHooks, super()).load_checkpoint(checkpoint_path, weights_only)
+        # Lightning before 2.5 has no weights_only: passed on only when the caller gave it
+        load = cast(_StrategyHooks, super()).load_checkpoint
+        checkpoint = load(checkpoint_path) if weights_only is None else load(checkpoint_path, weights_only)
         self.pacing.load_state(checkpoint, checkpoint_path)
         return checkpoint
 

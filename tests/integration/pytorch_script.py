@@ -87,9 +87,9 @@ def main(out: Path, mode: str) -> None:
         model, pacing=pacing, run_dir=out / "record", writer=writer, mesh=mesh, pipeline_stage=stage
     )
     batches = pace.dataloader(loader)
-    if mode == "noend":
-        train(model, optimizer, batches, pace, rank, clip=False)
-        (out / f"result_{rank}.json").write_text(json.dumps({"steps": pace.steps}))
+    if mode == "noend":  # and the forward under bf16 autocast, as mixed-precision loops run it
+        dtype = train(model, optimizer, batches, pace, rank, clip=False, bf16=True)
+        (out / f"result_{rank}.json").write_text(json.dumps({"steps": pace.steps, "output_dtype": dtype}))
         return  # no finish: the exit handler closes the record
     with pace:
         train(model, optimizer, batches, pace, rank, clip=mode == "fsdp", per_sample=mode == "rebalance")
@@ -118,20 +118,32 @@ def main(out: Path, mode: str) -> None:
 
 
 def train(
-    model: nn.Module, optimizer, batches, pace, rank: int, clip: bool, per_sample: bool = False
-) -> None:
+    model: nn.Module,
+    optimizer,
+    batches,
+    pace,
+    rank: int,
+    clip: bool,
+    per_sample: bool = False,
+    bf16: bool = False,
+) -> str:
+    """The loop; returns the dtype of the model's last output."""
     point = model.module.point if isinstance(model, DistributedDataParallel) else model.point
+    output = torch.zeros(())
     for x, y in batches:
         pace.begin_step()
         if rank == 1:
             point.arm(0.0, MS_PER_SAMPLE * len(x) if per_sample else SLOW_MS)
-        loss = nn.functional.mse_loss(model(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            output = model(x)
+        loss = nn.functional.mse_loss(output.float(), y)
         loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
         pace.end_step(samples=len(x))
+    return str(output.dtype)
 
 
 if __name__ == "__main__":

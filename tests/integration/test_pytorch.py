@@ -128,6 +128,7 @@ def test_a_loop_that_ends_without_finish_keeps_what_was_exchanged(runs):
     record = read_run_record(out / "record")
     assert record.end["status"] == "incomplete"  # closed by the exit handler, locally
     assert all(r["steps"] == STEPS for r in results)
+    assert all(r["output_dtype"] == "torch.bfloat16" for r in results)  # measured under bf16 autocast
     assert [s["step"] for s in record.steps] == list(range(len(record.steps)))
     assert STEPS - 8 <= len(record.steps) < STEPS  # the last window (exchanged at finish) is lost
 
