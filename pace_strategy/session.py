@@ -127,7 +127,7 @@ class PacingSession:
             rank, config, log_dir, self.topology, framework, self.restart_count, nodes
         )
         self.publisher = Publisher.for_rank(
-            rank, config, world_size, self.record_sink, metrics_sink, dashboard, sinks
+            rank, config, world_size, self.record_sink, metrics_sink, dashboard, sinks, self.topology
         )
         #: a node leader's shard of the record (its node's ranks), when the record is sharded
         self.shard = node_shard(config, group, rank, world_size, self.record_path, hierarchy)

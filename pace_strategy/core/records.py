@@ -148,6 +148,9 @@ class StepSummary:
     lead_band: tuple[float, float, float] | None = None
     #: the largest ``gc_ms`` over the ranks (``None``: take it from ``gc_ms``)
     gc_ms_max: float | None = None
+    #: per group of ranks, where the summarizer was given groups (``tag_groups``): the group's lead,
+    #: the smallest of its ranks' ``lead_ms`` (0 for the group that holds the straggler)
+    group_lead_ms: tuple[float, ...] = ()
 
     def lead_ms_band(self) -> tuple[float, float, float]:
         """(median, min, max) of the ranks' leads."""

@@ -109,7 +109,11 @@ class StepSummarizer:
         self._cv = _RollingCV(cv_window_steps)
 
     def summarize(
-        self, g: torch.Tensor, per_rank: bool = True, nodes: torch.Tensor | None = None
+        self,
+        g: torch.Tensor,
+        per_rank: bool = True,
+        nodes: torch.Tensor | None = None,
+        groups: Sequence[int] | None = None,
     ) -> tuple[StepSummary, ...]:
         """Summaries of the steps of one gathered window ``[world_size, steps, NUM_FIELDS]``.
 
@@ -121,7 +125,8 @@ class StepSummarizer:
         ``nodes``: every node's :func:`node_steps` ``[nodes, steps, fields]`` (a node leader's
         ``WindowResult.node_steps``): the step's extremes, flags and the ranks that reached them are
         then reduced over the nodes' (exactly the same values), and only the leads' median reads
-        every rank's wait (it is no node's)."""
+        every rank's wait (it is no node's). ``groups``: each rank's group (dense from 0): each
+        summary then carries each group's lead (:attr:`StepSummary.group_lead_ms`)."""
 
         # Reductions over the ranks (dim 0) of each field's view: with the exchange's field-major
         # window (:func:`~pace_strategy.core.comm.field_major`) no field is copied to reduce it.
@@ -145,6 +150,7 @@ class StepSummarizer:
         # Columns become Python lists once: per-element tensor indexing would cost ~100 us per step.
         columns = {f: field(f).T.tolist() for f in Field} if per_rank else {}
         leads = glossary.lead_ms(wait, rank_axis=0).T.tolist() if per_rank else []
+        group_leads = _group_leads(wait, transfer, groups) if groups else None
         steps = g[0, :, Field.STEP].tolist()
         skew = (wait_max - transfer).tolist()  # glossary.skew_ms: max(wait) - min(wait)
         valid = (of.valid_min > 0).tolist()
@@ -177,10 +183,21 @@ class StepSummarizer:
                     buckets=int(buckets[i]),
                     lead_band=(band[i][0], band[i][1], band[i][2]),
                     gc_ms_max=gc_max[i],
+                    group_lead_ms=() if group_leads is None else tuple(group_leads[i]),
                     **ranks,
                 )
             )
         return tuple(out)
+
+
+def _group_leads(wait: torch.Tensor, transfer: torch.Tensor, groups: Sequence[int]) -> list[list[float]]:
+    """Each step's group leads ``[steps][groups]`` (ms): a group's smallest wait less the step's
+    smallest (``transfer``), from ``wait`` ``[ranks, steps]`` and each rank's group."""
+    index = torch.tensor(list(groups), dtype=torch.long).unsqueeze(1).expand(wait.shape)
+    smallest = torch.full((max(groups) + 1, wait.shape[1]), float("inf"), dtype=wait.dtype)
+    smallest.scatter_reduce_(0, index, wait, reduce="amin", include_self=True)
+    leads: list[list[float]] = (smallest - transfer.unsqueeze(0)).T.tolist()
+    return leads
 
 
 class _StepColumns:

@@ -4,7 +4,9 @@ telemetry thread, served by ``prometheus_client``'s own HTTP server thread.
 
 Every metric is in its own registry (not the process-wide default: a second session in the same
 process, or the user's own metrics, never collide). Per-rank series carry a ``rank`` label, capped
-like the TensorBoard tags: above ``per_rank_tag_limit`` ranks, the lead's median, min and max instead.
+like the TensorBoard tags: above ``per_rank_tag_limit`` ranks, the lead's median, min and max
+instead, and each group's lead with a ``group`` label where the ranks are grouped
+(:mod:`~pace_strategy.telemetry.tag_groups`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from pace_strategy.core.errors import PacingConfigError
 from pace_strategy.core.records import Decision, StepSummary
 from pace_strategy.telemetry.sink import Published
+from pace_strategy.telemetry.tag_groups import TagGroups
 
 __all__ = ["METRICS", "MetricsEndpoint"]
 
@@ -32,6 +35,8 @@ METRICS = {
     "pace_lead_ms_median": "Median lead over the ranks at the last step, ms (above the per-rank limit)",
     "pace_lead_ms_min": "Smallest lead over the ranks at the last step, ms (above the per-rank limit)",
     "pace_lead_ms_max": "Largest lead over the ranks at the last step, ms (above the per-rank limit)",
+    "pace_group_lead_ms": "How early each group of ranks (its last rank) arrived at the last step's sync "
+    "point, ms (above the per-rank limit; 0: the straggler's group)",
     "pace_batch_share": "Samples each rank trained on in the last step (rebalancing)",
     "pace_steps": "Steps published (every rank's numbers exchanged)",
     "pace_windows": "Windows decided, by the controller's state after the window",
@@ -46,7 +51,15 @@ class MetricsEndpoint:
     port cannot be bound (in use, or privileged).
     """
 
-    def __init__(self, port: int, world_size: int, per_rank_tag_limit: int, *, addr: str = "0.0.0.0") -> None:
+    def __init__(
+        self,
+        port: int,
+        world_size: int,
+        per_rank_tag_limit: int,
+        *,
+        addr: str = "0.0.0.0",
+        groups: TagGroups | None = None,
+    ) -> None:
         try:
             import prometheus_client as pc
         except ImportError:
@@ -82,6 +95,9 @@ class MetricsEndpoint:
             self._band = {
                 name: gauge(name) for name in ("pace_lead_ms_median", "pace_lead_ms_min", "pace_lead_ms_max")
             }
+        self._groups = None if self.per_rank else groups
+        if self._groups is not None:  # group="replica_0", "dp_3", "node_12"
+            self._group_lead = gauge("pace_group_lead_ms", ["group"])
         self._steps = pc.Counter("pace_steps", METRICS["pace_steps"], registry=registry)
         self._windows = pc.Counter("pace_windows", METRICS["pace_windows"], ["state"], registry=registry)
         self._hangs = pc.Counter("pace_hangs", METRICS["pace_hangs"], registry=registry)
@@ -126,6 +142,9 @@ class MetricsEndpoint:
             self._band["pace_lead_ms_median"].set(median)
             self._band["pace_lead_ms_min"].set(low)
             self._band["pace_lead_ms_max"].set(high)
+            if self._groups is not None:
+                for group, lead in enumerate(last.group_lead_ms):
+                    self._group_lead.labels(group=self._groups.label(group)).set(lead)
 
     def hang(self, line: Mapping[str, Any]) -> None:
         """The watchdog named hung ranks (``line``: the run record's hang line; counted only)."""

@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 from pace_strategy.core.records import StepSummary
+from pace_strategy.telemetry.tag_groups import TagGroups
 
 __all__ = [
     "BATCH_SHARE_PREFIX",
@@ -46,6 +47,9 @@ LEAD_MS_PREFIX = "pace/lead_ms/rank_"  #: per-rank lead, ms: ``pace/lead_ms/rank
 LEAD_MS_MEDIAN = "pace/lead_ms/median"
 LEAD_MS_MIN = "pace/lead_ms/min"
 LEAD_MS_MAX = "pace/lead_ms/max"
+#: and, where the ranks are grouped (``telemetry.tag_groups``), each group's lead: the smallest of
+#: its ranks', ms: ``pace/lead_ms/replica_{i}``, ``pace/lead_ms/dp_{i}`` or ``pace/lead_ms/node_{i}``
+LEAD_MS_GROUP_PREFIX = "pace/lead_ms/"
 #: the step time's band: ``step_ms * (1 -/+ step_cv)``, ms (the dashboard's margin chart)
 STEP_MS_LOW = "pace/step_ms_low"
 STEP_MS_HIGH = "pace/step_ms_high"
@@ -82,10 +86,14 @@ def batch_share_tag(rank: int) -> str:
 
 
 def step_metrics(
-    summary: StepSummary, per_rank_tag_limit: int, *, batch_shares: bool = False
+    summary: StepSummary,
+    per_rank_tag_limit: int,
+    *,
+    batch_shares: bool = False,
+    groups: TagGroups | None = None,
 ) -> dict[str, float]:
     """The tag -> value mapping logged for one step; ``batch_shares`` (rebalancing on) adds the
-    per-rank samples, where the step reported them."""
+    per-rank samples, where the step reported them; ``groups`` names the summary's group leads."""
     metrics = {
         SKEW_MS: summary.skew_ms,
         STRAGGLER_RANK: float(summary.straggler_rank),
@@ -101,6 +109,9 @@ def step_metrics(
     }
     if len(summary.lead_ms) > per_rank_tag_limit or not summary.lead_ms:
         metrics[LEAD_MS_MEDIAN], metrics[LEAD_MS_MIN], metrics[LEAD_MS_MAX] = summary.lead_ms_band()
+        if groups is not None:
+            for group, value in enumerate(summary.group_lead_ms):
+                metrics[LEAD_MS_GROUP_PREFIX + groups.label(group)] = value
     else:
         for rank, value in enumerate(summary.lead_ms):
             metrics[lead_tag(rank)] = value
@@ -111,13 +122,18 @@ def step_metrics(
 
 
 def dashboard_layout(
-    world_size: int, per_rank_tag_limit: int, *, batch_shares: bool = False
+    world_size: int,
+    per_rank_tag_limit: int,
+    *,
+    batch_shares: bool = False,
+    groups: TagGroups | None = None,
 ) -> dict[str, dict[str, list[Any]]]:
     """TensorBoard's custom-scalars layout of the ``pace/`` tags (``SummaryWriter.add_custom_scalars``):
     one category, :data:`DASHBOARD`, whose charts put the ranks side by side. Up to
     ``per_rank_tag_limit`` ranks, every rank's lead on one multiline chart (a regex over the per-rank
-    tags); above it, the median lead with its min..max band (a margin chart). Every regex matches tags
-    :func:`step_metrics` writes for the same arguments."""
+    tags); above it, the median lead with its min..max band (a margin chart) and, with ``groups``,
+    every group's lead on one multiline chart. Every regex matches tags :func:`step_metrics` writes
+    for the same arguments."""
     charts: dict[str, list[Any]] = {}
     if world_size <= per_rank_tag_limit:
         charts["lead per rank (ms early at the sync point; 0 = the straggler)"] = [
@@ -129,6 +145,11 @@ def dashboard_layout(
             "Margin",
             [LEAD_MS_MEDIAN, LEAD_MS_MIN, LEAD_MS_MAX],
         ]
+        if groups is not None:
+            charts[f"lead per {groups.kind} (ms early, its last rank; 0 = the straggler's)"] = [
+                "Multiline",
+                [re.escape(LEAD_MS_GROUP_PREFIX + groups.kind + "_") + r"\d+"],
+            ]
     charts["straggler rank (the rank that arrived last)"] = ["Multiline", [re.escape(STRAGGLER_RANK)]]
     charts["skew and transfer time (ms)"] = ["Multiline", [re.escape(SKEW_MS), re.escape(WAIT_MS_MIN)]]
     charts["step time with its CV band (ms)"] = ["Margin", [STEP_MS, STEP_MS_LOW, STEP_MS_HIGH]]

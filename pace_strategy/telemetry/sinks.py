@@ -33,6 +33,7 @@ from pace_strategy.telemetry.record_lines import ResumeLine
 from pace_strategy.telemetry.run_record import RunRecordWriter, record_filename
 from pace_strategy.telemetry.schema import dashboard_layout, step_metrics
 from pace_strategy.telemetry.sink import Published, Sink
+from pace_strategy.telemetry.tag_groups import TagGroups, tag_groups
 
 __all__ = [
     "MAX_TAG_BACKLOG_WINDOWS",
@@ -72,6 +73,7 @@ class TagSink:
         per_rank_tag_limit: int,
         batch_shares: bool,
         every_steps: int = 1,
+        groups: TagGroups | None = None,
     ) -> None:
         self._metrics = metrics
         self._every = every_steps
@@ -79,12 +81,16 @@ class TagSink:
         self._world_size = world_size
         self._limit = per_rank_tag_limit
         self._batch_shares = batch_shares
+        self._groups = groups
 
     def write(self, window: Published) -> None:
         if self._dashboard is not None:
             dashboard, self._dashboard = self._dashboard, None  # once, whatever happens
             try:
-                dashboard(dashboard_layout(self._world_size, self._limit, batch_shares=self._batch_shares))
+                layout = dashboard_layout(
+                    self._world_size, self._limit, batch_shares=self._batch_shares, groups=self._groups
+                )
+                dashboard(layout)
             except Exception:  # a dashboard is a convenience: the tags still go out
                 log.warning("pace_strategy: could not write the TensorBoard dashboard layout", exc_info=True)
         if self._metrics is not None and window.tags:
@@ -92,7 +98,8 @@ class TagSink:
                 if summary.step % self._every:
                     continue
                 self._metrics(
-                    step_metrics(summary, self._limit, batch_shares=self._batch_shares), summary.step
+                    step_metrics(summary, self._limit, batch_shares=self._batch_shares, groups=self._groups),
+                    summary.step,
                 )
 
     def hang(self, line: Mapping[str, Any]) -> None:
@@ -250,17 +257,25 @@ class Publisher:
         sinks: in the order they are written to.
         summarizer: makes a window's per-step summaries (on the telemetry thread).
         per_rank: whether the summaries keep their per-rank tuples (something reads them).
+        groups: the ranks' groups whose leads the summaries carry (above ``per_rank_tag_limit``).
         warning_suffix: appended to every straggler warning (where to look for the full picture).
     """
 
     _STOP = object()
 
     def __init__(
-        self, sinks: Sequence[Sink], summarizer: StepSummarizer, *, per_rank: bool, warning_suffix: str = ""
+        self,
+        sinks: Sequence[Sink],
+        summarizer: StepSummarizer,
+        *,
+        per_rank: bool,
+        warning_suffix: str = "",
+        groups: TagGroups | None = None,
     ) -> None:
         self.sinks = list(sinks)
         self.summarizer = summarizer
         self._per_rank = per_rank
+        self._groups = groups
         self._suffix = warning_suffix
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._failed = False
@@ -280,12 +295,15 @@ class Publisher:
         metrics: MetricsSink | None = None,
         dashboard: DashboardSink | None = None,
         more: Sequence[Sink] = (),
+        topology: Sequence[Mapping[str, Any]] = (),
     ) -> Publisher:
         """Rank 0's sinks in the order they are written (tags, run record, the Prometheus endpoint of
         ``config.metrics_port``, ``more``) and their thread; on other ranks none. The endpoint is
-        started here: a port that cannot be bound fails at start."""
+        started here: a port that cannot be bound fails at start. ``topology`` (every rank's
+        placement) groups the ranks of the tags and the endpoint above ``per_rank_tag_limit``."""
         if rank != 0:
             return cls([], StepSummarizer(config.cv_window_steps), per_rank=False)
+        groups = tag_groups(topology, world_size, config.per_rank_tag_limit)
         sinks: list[Sink] = []
         if metrics is not None or dashboard is not None:
             limit, shares = config.per_rank_tag_limit, config.rebalance.enabled
@@ -297,6 +315,7 @@ class Publisher:
                     per_rank_tag_limit=limit,
                     batch_shares=shares,
                     every_steps=config.tag_every_steps or 1,
+                    groups=groups,
                 )
             )
         if record is not None:
@@ -306,7 +325,11 @@ class Publisher:
 
             sinks.append(
                 MetricsEndpoint(
-                    config.metrics_port, world_size, config.per_rank_tag_limit, addr=config.metrics_host
+                    config.metrics_port,
+                    world_size,
+                    config.per_rank_tag_limit,
+                    addr=config.metrics_host,
+                    groups=groups,
                 )
             )
         sinks.extend(more)
@@ -318,7 +341,7 @@ class Publisher:
         )
         suffix = "" if writer is None else f" For the full picture: pace diagnose {writer.path.parent}"
         summarizer = StepSummarizer(config.cv_window_steps)
-        return cls(sinks, summarizer, per_rank=per_rank, warning_suffix=suffix)
+        return cls(sinks, summarizer, per_rank=per_rank, warning_suffix=suffix, groups=groups)
 
     @property
     def started(self) -> bool:
@@ -376,7 +399,10 @@ class Publisher:
         try:
             self.log_warnings(result)
             summaries = self.summarizer.summarize(
-                result.gathered, per_rank=self._per_rank, nodes=result.node_steps
+                result.gathered,
+                per_rank=self._per_rank,
+                nodes=result.node_steps,
+                groups=None if self._groups is None else self._groups.index,
             )
             window = Published(result, summaries, tags)
             for sink in self.sinks:

@@ -5,7 +5,8 @@ under torchrun (4 CPU processes, gloo, one launch for every run below).
 
 Two layouts of the same model, each trained twice in the same processes from the same initial
 weights on the same batches (``plain``: without pace_strategy; ``paced``: attached with forced
-pacing, every step delayed where the pacer predicts a lead, the run record in OUT_DIR/LAYOUT/record):
+pacing, every step delayed where the pacer predicts a lead, the run record in OUT_DIR/LAYOUT/record,
+the tags in OUT_DIR/LAYOUT/tb, grouped: 4 ranks are above the run's ``per_rank_tag_limit`` of 2):
 
 - ``hsdp``: FSDP2 over a 2-D mesh, 2 replicas x 2 shards (``dp_replicate`` x ``dp_shard``); rank 1
   spends 30 ms more than the others in every backward (an InjectionPoint after the first layer: the
@@ -40,6 +41,8 @@ PACING = {
     "exchange_every_steps": 4,
     "warmup_steps": 2,
     "max_delay_step_fraction": 0.5,
+    # 4 ranks above the limit: the tags group them, by replica (hsdp) or tensor-parallel group (tp)
+    "per_rank_tag_limit": 2,
 }
 LAYOUTS = {"hsdp": ("dp_replicate", "dp_shard"), "tp": ("dp_shard", "tp")}
 
@@ -115,8 +118,15 @@ def run(out: Path, layout: str, rank: int, world: int) -> None:
 
     paced = build(layout, mesh)
     record = out / layout / "record"
-    with pace_strategy.attach(paced, pacing=PACING, run_dir=record, mesh=mesh) as pace:
+    writer = None
+    if rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(out / layout / "tb"))
+    with pace_strategy.attach(paced, pacing=PACING, run_dir=record, mesh=mesh, writer=writer) as pace:
         train(paced, layout, rank, batches, pace)
+    if writer is not None:
+        writer.close()
     paced_weights = full_weights(paced)
     if rank == 0:
         torch.save(plain_weights, out / layout / "plain.pt")

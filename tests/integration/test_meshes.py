@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pace_strategy.telemetry import read_run_record
-from tests.integration.helpers import diagnose_json, free_port, why_failed
+from tests.integration.helpers import diagnose_json, free_port, read_scalars, why_failed
 
 pytestmark = [pytest.mark.integration, pytest.mark.alone, pytest.mark.timeout(240)]
 
@@ -97,3 +97,27 @@ def test_fsdp_x_tp_records_each_rank_s_place_and_times_the_data_parallel_collect
     caveat = "a tensor-parallel mesh (2 ranks per tensor-parallel group)"
     assert any(n.startswith(caveat) for n in diagnose_json(run / "tp" / "record")["notes"])
     assert not any(n.startswith(caveat) for n in diagnose_json(run / "hsdp" / "record")["notes"])
+
+
+@pytest.mark.parametrize(("layout", "group"), [("hsdp", "replica_0"), ("tp", "dp_0")])
+def test_above_the_per_rank_limit_the_tags_name_the_slow_rank_s_group(run, layout, group):
+    """4 ranks, ``per_rank_tag_limit`` 2: one lead tag per replica (HSDP) or tensor-parallel group
+    (FSDP x TP) instead of per rank, and at every step the group holding the record's straggler has
+    lead 0. Under HSDP slow rank 1's replica 0 is last in most steps. Under FSDP x TP this forced
+    run holds the other group back by about its lead, so the two groups arrive together and either
+    may be last (11 and 14 of 22 steps in two runs): only the consistency is checked there."""
+    scalars = read_scalars(run / layout / "tb")
+    kind = group.split("_")[0]
+    band = {"pace/lead_ms/median", "pace/lead_ms/min", "pace/lead_ms/max"}
+    groups = {f"pace/lead_ms/{kind}_0", f"pace/lead_ms/{kind}_1"}
+    assert {t for t in scalars if t.startswith("pace/lead_ms/")} == band | groups
+    record = read_run_record(run / layout / "record")
+    topology = {t["rank"]: t for t in record.header["topology"]}
+    key = "dp_replicate" if kind == "replica" else "dp_shard"
+    measured = _measured(record)
+    for step in measured:
+        straggler_group = topology[step["straggler_rank"]][key]
+        assert scalars[f"pace/lead_ms/{kind}_{straggler_group}"][step["step"]] == 0.0, step["step"]
+    if layout == "hsdp":
+        last = [scalars[f"pace/lead_ms/{group}"][s["step"]] == 0.0 for s in measured]
+        assert sum(last) >= 0.8 * len(measured), last

@@ -169,5 +169,5 @@ def test_tags_reach_every_reporting_callback_on_the_training_thread_in_step_orde
     sink({"pace/skew_ms": 44.0}, 4)  # too late: the other trackers have ended (TensorBoard has it)
     callback.on_train_end(args, state, control)  # finished already: nothing more
     assert handle.finished == 1 and len(other.logged) == 4
+    tensorboard.on_train_end(args, state, control)  # closes (and so flushes) the Trainer's writer
     assert read_scalars(tmp_path / "runs" / "x")["pace/skew_ms"] == {1 + i: 40.0 + i for i in range(5)}
-    tensorboard.on_train_end(args, state, control)
