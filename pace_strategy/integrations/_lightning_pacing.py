@@ -369,14 +369,29 @@ class UserCommHook:
 
 def _mesh_coordinates(strategy: Any) -> dict[str, int] | None:
     """This rank's coordinates in the strategy's device mesh (``paced_fsdp``: Lightning's
-    ModelParallelStrategy, ``data_parallel`` x ``tensor_parallel``), or ``None`` (DDP has none)."""
+    ModelParallelStrategy, ``data_parallel`` x ``tensor_parallel``), or ``None`` (DDP has none).
+
+    A ``configure_model`` that shards over a mesh of its own with a replicate dimension (HSDP: its
+    dimensions named ``dp_replicate`` and ``dp_shard``, as torchtitan names them) trains on that
+    mesh, not the strategy's: its coordinates are recorded, read from the sharded parameters."""
     if not isinstance(getattr(type(strategy), "device_mesh", None), property):
         return None
     try:
         mesh = strategy.device_mesh
     except RuntimeError:  # Lightning raises while the mesh is not built yet
         return None
+    sharded = _parameter_mesh(getattr(strategy, "model", None))
+    if sharded is not None and "dp_replicate" in (getattr(sharded, "mesh_dim_names", None) or ()):
+        mesh = sharded
     return mesh_coordinates(mesh)
+
+
+def _parameter_mesh(model: Any) -> Any | None:
+    """The device mesh the model's first sharded parameter (a ``DTensor``) lives on, if any."""
+    from torch.distributed.tensor import DTensor
+
+    parameters = model.parameters() if model is not None else ()
+    return next((p.device_mesh for p in parameters if isinstance(p, DTensor)), None)
 
 
 def _record_dir(trainer: _Trainer, run_dir: Path | None) -> Path | None:

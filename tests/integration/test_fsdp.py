@@ -108,3 +108,31 @@ def test_paced_fsdp_with_tensor_parallelism_records_the_mesh_and_says_what_it_ca
     assert [s["step"] for s in record.steps] == list(range(24))
     notes = diagnose_json(tmp_path)["notes"]
     assert any(n.startswith("a tensor-parallel mesh (2 ranks per tensor-parallel group)") for n in notes)
+
+
+@pytest.mark.long
+def test_paced_fsdp_with_hsdp_built_in_configure_model_times_the_replicate_all_reduce(tmp_path):
+    """HSDP under ``paced_fsdp``: ``configure_model`` shards over a 2 x 2 mesh of its own
+    (``dp_replicate`` x ``dp_shard``; 4 CPU processes, rank 1 slow in backward). The record has the
+    coordinates of that mesh (read from the sharded parameters, not the strategy's
+    ``data_parallel`` mesh), every collective of the plain HSDP loop is timed, the replicate
+    all-reduce included (test_meshes.py), and the slow rank is named with its place."""
+    job = Path(__file__).with_name("lightning_tp_job.py")
+    done = subprocess.run(
+        [sys.executable, str(job), str(tmp_path), "hsdp"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert done.returncode == 0, why_failed(done.stderr, 4000)
+    record = read_run_record(tmp_path)
+    assert record.end["status"] == "completed" and record.header["world_size"] == 4
+    coords = [(t["dp_replicate"], t["dp_shard"]) for t in record.header["topology"]]
+    assert coords == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert {s["buckets"] for s in record.steps} == {3 + 2 + 3 + 3}  # the 3 all-reduces included
+    measured = [s for s in record.steps if not s["warmup"]]
+    assert sum(s["straggler_rank"] == 1 for s in measured) >= 0.8 * len(measured)
+    top = diagnose_json(tmp_path)["findings"][0]
+    assert top["mode"] == "persistent_straggler" and top["ranks"] == [1], top
+    assert "dp_replicate 0, dp_shard 1" in top["evidence"], top["evidence"]
