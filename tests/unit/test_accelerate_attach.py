@@ -165,3 +165,27 @@ def test_hsdp_times_the_replicate_all_reduce_through_the_group_s_hook_and_keeps_
         assert group._all_reduce_hook == seen.append
     finally:
         dist.destroy_process_group()
+
+
+def test_the_parallelism_config_s_mesh_coordinates_are_recorded(caplog):
+    """The mesh accelerate builds from a ParallelismConfig (its state's device_mesh, named as
+    accelerate names it) gives each rank's coordinates; a dimension the record has no name for
+    (accelerate's ``sp``) leaves them out, said once. accelerate 1.16 refuses a ParallelismConfig on
+    CPU processes (docs/accelerate.md), so the mesh is built here as accelerate builds it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pace_strategy.integrations.accelerate.attach import accelerator_coordinates
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        accelerator = SimpleNamespace(state=SimpleNamespace(device_mesh=mesh))
+        assert accelerator_coordinates(accelerator) == {"dp_replicate": 0, "dp_shard": 0, "tp": 0}
+        assert accelerator_coordinates(SimpleNamespace(state=SimpleNamespace(device_mesh=None))) is None
+        sp = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "sp"))
+        with caplog.at_level("WARNING"):
+            assert accelerator_coordinates(SimpleNamespace(state=SimpleNamespace(device_mesh=sp))) is None
+        assert "device mesh is not recorded" in caplog.text and "'sp'" in caplog.text
+    finally:
+        dist.destroy_process_group()

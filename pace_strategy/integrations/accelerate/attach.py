@@ -43,6 +43,7 @@ from pace_strategy.integrations.env import (
 from pace_strategy.integrations.rebalance import DataRebalance
 from pace_strategy.session import PacingSession
 from pace_strategy.telemetry.sinks import DashboardSink, MetricsSink
+from pace_strategy.telemetry.topology import mesh_coordinates
 
 __all__ = ["PacingHandle", "RebalanceLoop", "attach_pacing", "is_paceable"]
 
@@ -177,8 +178,7 @@ def attach_pacing(
             thread (default: the accelerator's trackers, :class:`.trackers.TrackerTags`).
         rebalance_loop: with ``rebalance=True``, how the training loop draws batches and normalizes
             its loss (:class:`RebalanceLoop`; default: a script's own loop).
-        dashboard: rank 0: receives the TensorBoard custom-scalars layout of the tags once (default:
-            ``add_custom_scalars`` of the accelerator's TensorBoard trackers).
+        dashboard: rank 0: receives the tags' TensorBoard custom-scalars layout once (default: the trackers').
     """
     taken = _attached_before(model, (pacing, optimizer, dataloaders, run_dir, metrics_sink))
     if taken is not None:
@@ -205,6 +205,7 @@ def attach_pacing(
         metrics_sink=metrics_sink if trackers is None else trackers.write,
         dashboard=dashboard or custom_scalars_sink(lambda: tensorboard_writers(accelerator)),
         local_rank=accelerator.local_process_index,
+        coordinates=accelerator_coordinates(accelerator),
     )
     handle = PacingHandle(model, config, session)
     _ATTACHED[id(model)] = handle
@@ -221,6 +222,20 @@ def attach_pacing(
     _handle_sigterm(handle, session)
     _finish_before_end_training(handle, accelerator)
     return handle
+
+
+def accelerator_coordinates(accelerator: Any) -> dict[str, int] | None:
+    """This rank's coordinates in the device mesh of the accelerator's ``ParallelismConfig``
+    (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``), or ``None`` without one. A dimension the
+    record has no name for (accelerate's ``sp``) leaves the coordinates out, said once."""
+    mesh = getattr(getattr(accelerator, "state", None), "device_mesh", None)
+    if mesh is None:
+        return None
+    try:
+        return mesh_coordinates(mesh)
+    except ValueError as error:
+        log.warning("pace_strategy: the accelerator's device mesh is not recorded: %s", error)
+        return None
 
 
 def _config_of(pacing: PacingArg) -> PacingConfig:
