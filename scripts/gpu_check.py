@@ -30,7 +30,11 @@ only its own checks:
   one-rank NCCL group for DDP, the gloo side group and the watchdog spanning both, rank 1 slow per
   sample on the device: rank 1 named, pacing and rebalancing decisions taken;
 - ``multi_gpu_parity``: with 2+ GPUs, an N-rank NCCL job (3 where there are 3) paced in both monitor
-  modes and FSDP2, DDP bit-identical to plain DDP (SKIP on one GPU).
+  modes and FSDP2, DDP bit-identical to plain DDP (SKIP on one GPU);
+- ``nccl_hsdp_parity`` / ``nccl_tp_parity``: with 4+ GPUs, the CPU mesh tests over NCCL: HSDP (2
+  replicas x 2 shards) and FSDP x tensor parallelism (2 x 2), rank 1 slow in backward, forced
+  pacing bit-identical to the same layout unpaced, every rank's mesh coordinates recorded, every
+  step timed (SKIP with fewer GPUs).
 
 The jobs are the project's own: the recipe job (``pace_strategy.apps.recipes``) and its model and data
 (``pace_strategy.apps.job``).
@@ -68,6 +72,8 @@ CHECKS: dict[str, str] = {
     "nccl_pair_straggler": "nccl_pair",
     "nccl_pair_decisions": "nccl_pair",
     "multi_gpu_parity": "multi_gpu",
+    "nccl_hsdp_parity": "meshes",
+    "nccl_tp_parity": "meshes",
 }
 JOB_TIMEOUT_S = 120.0  #: most one child job may take
 TOTAL_BUDGET_S = 290.0  #: all jobs together: the script ends within 5 minutes, failing what did not run
@@ -755,6 +761,91 @@ def _multi_gpu(out: Path, steps: int) -> Result:
     }
 
 
+def _mesh_rank(rank: int, world: int, out: str, steps: int) -> None:
+    """One of 4 ranks, one GPU each: each mesh layout trained unpaced, then paced (forced), from the
+    same weights on the same batches; rank 0 saves both runs' full weights."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import pace_strategy
+    from pace_strategy.testing.meshes import LAYOUTS, build_on_mesh
+
+    device = torch.device("cpu") if _on_cpu() else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.FileStore(os.path.join(out, "mesh_store"), world)
+    dist.init_process_group(
+        _backend(), store=store, rank=rank, world_size=world, timeout=timedelta(seconds=90)
+    )
+    saved: dict[str, Any] = {}
+    for layout, names in LAYOUTS.items():
+        mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=names)
+        dp = rank if layout == "hsdp" else mesh.get_local_rank("dp_shard")
+        g = torch.Generator().manual_seed(1)
+        xs, ys = torch.randn(steps, world, 8, 16, generator=g), torch.randn(steps, world, 8, 1, generator=g)
+        weights = []
+        for paced in (False, True):
+            net = build_on_mesh(layout, mesh, device)
+            opt = torch.optim.SGD(net.parameters(), lr=0.01)
+            pacing = {"mode": "forced", "exchange_every_steps": 4, "warmup_steps": 1}
+            record = Path(out) / layout
+            pace = pace_strategy.attach(net, pacing=pacing, run_dir=record, mesh=mesh) if paced else None
+            for s in range(steps):
+                if pace is not None:
+                    pace.begin_step()
+                if rank == 1:
+                    net.point.arm(0.0, 10.0)  # 10 ms at the end of its backward
+                loss = torch.nn.functional.mse_loss(net(xs[s, dp].to(device)), ys[s, dp].to(device))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if pace is not None:
+                    pace.end_step(samples=8)
+            if pace is not None:
+                pace.finish()
+            weights.append({k: p.detach().full_tensor().cpu() for k, p in net.named_parameters()})
+        saved[layout] = {"weights": weights, "record": str(record)}
+    if rank == 0:
+        torch.save(saved, os.path.join(out, "meshes.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _meshes(out: Path, steps: int) -> Result:
+    import torch
+    import torch.multiprocessing as mp
+
+    from pace_strategy.telemetry.run_record import read_run_record
+
+    count = 4 if _on_cpu() else torch.cuda.device_count()
+    if count < 4:
+        reason = f"{count} GPU visible: the 2 x 2 meshes need 4"
+        return {"nccl_hsdp_parity": ("SKIP", reason), "nccl_tp_parity": ("SKIP", reason)}
+    mp.start_processes(_mesh_rank, args=(4, str(out), steps), nprocs=4, start_method="spawn")
+    saved = torch.load(out / "meshes.pt")
+    results: Result = {}
+    for layout, collectives in (("hsdp", 11), ("tp", 8)):  # HSDP: 3 all-reduces beside FSDP's 8
+        plain, paced = saved[layout]["weights"]
+        differ = [k for k in plain if not torch.equal(plain[k], paced[k])]
+        record = read_run_record(saved[layout]["record"])
+        names = ("dp_replicate", "dp_shard") if layout == "hsdp" else ("dp_shard", "tp")
+        coords = [tuple(t.get(n) for n in names) for t in record.header["topology"]]
+        timed = [s for s in record.steps if s["valid"] and not s["warmup"]]
+        buckets = {s["buckets"] for s in record.steps}
+        ok = not differ and coords == [(0, 0), (0, 1), (1, 0), (1, 1)] and len(timed) >= steps - 6
+        ok = ok and buckets == {collectives}
+        results[f"nccl_{layout}_parity"] = (
+            "PASS" if ok else "FAIL",
+            f"4 ranks over {_backend()}: paced vs unpaced "
+            f"{'bit-identical' if not differ else f'differ in {differ}'}; "
+            f"coordinates {coords}; {len(timed)} timed steps; collectives per step {sorted(buckets)}",
+        )
+    return results
+
+
 JOBS: dict[str, Callable[[Path, int], Result]] = {
     "lightning_ddp": lambda out, steps: _lightning("paced_ddp", out, steps),
     "lightning_fsdp": lambda out, steps: _lightning("paced_fsdp", out, steps),
@@ -765,6 +856,7 @@ JOBS: dict[str, Callable[[Path, int], Result]] = {
     "fsdp_streams": _fsdp_streams,
     "nccl_pair": _nccl_pair,
     "multi_gpu": _multi_gpu,
+    "meshes": _meshes,
 }
 
 

@@ -2,7 +2,7 @@
 processes (Lightning's launcher).
 
 ``tp`` (the default): FSDP over ``data_parallel``, tensor parallelism over ``tensor_parallel``: the
-LightningModule's ``configure_model`` applies ``mesh_script.py``'s tensor-parallel plan to its
+LightningModule's ``configure_model`` applies ``pace_strategy.testing.meshes``' tensor-parallel plan to its
 network (the projections column- and row-wise) and shards it over the data-parallel dimension, as
 Lightning's own tensor-parallel examples do. ``hsdp``: ``configure_model`` builds a mesh of its own,
 2 replicas x 2 shards (``dp_replicate`` x ``dp_shard``), and shards the network over it (HSDP).
@@ -17,11 +17,11 @@ from typing import Any
 
 import lightning as L
 import torch
-from mesh_script import Net, shard, shard_tensor_parallel  # a sibling: this script's sys.path[0]
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from pace_strategy.integrations.lightning import PacedFSDPStrategy
+from pace_strategy.testing.meshes import MeshNet, shard, shard_tensor_parallel
 
 STEPS, BATCH, SLOW_MS = 24, 8, 30.0
 
@@ -30,7 +30,7 @@ class Module(L.LightningModule):
     def __init__(self, layout: str) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = Net()
+        self.net = MeshNet()
         self.layout = layout
 
     def configure_model(self) -> None:

@@ -27,13 +27,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.device_mesh import init_device_mesh
 
 import pace_strategy
 from pace_strategy.shutdown import exit_without_finalization
-from pace_strategy.testing.slow import InjectionPoint
+from pace_strategy.testing.meshes import LAYOUTS, MeshNet, build_on_mesh
 
 STEPS, BATCH, SLOW_MS = 24, 8, 30.0
 PACING = {
@@ -44,47 +42,9 @@ PACING = {
     # 4 ranks above the limit: the tags group them, by replica (hsdp) or tensor-parallel group (tp)
     "per_rank_tag_limit": 2,
 }
-LAYOUTS = {"hsdp": ("dp_replicate", "dp_shard"), "tp": ("dp_shard", "tp")}
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = nn.Linear(16, 64)
-        self.point = InjectionPoint()
-        self.up = nn.Linear(64, 128)
-        self.down = nn.Linear(128, 64)
-        self.head = nn.Linear(64, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.point(self.first(x))
-        return self.head(self.down(torch.relu(self.up(x))))
-
-
-def build(layout: str, mesh: DeviceMesh) -> Net:
-    """The same initial weights on every rank and in both runs of a layout."""
-    torch.manual_seed(0)
-    net = Net()
-    if layout == "hsdp":  # a 2-D mesh given to fully_shard: HSDP
-        return shard(net, mesh)
-    return shard_tensor_parallel(net, mesh["tp"], mesh["dp_shard"])
-
-
-def shard(net: Net, mesh: DeviceMesh) -> Net:
-    """FSDP over ``mesh``: each projection a group, the network the root."""
-    fully_shard(net.up, mesh=mesh)
-    fully_shard(net.down, mesh=mesh)
-    return fully_shard(net, mesh=mesh)
-
-
-def shard_tensor_parallel(net: Net, tp: DeviceMesh, dp: DeviceMesh) -> Net:
-    """The network's projections over ``tp`` (``up`` column-wise, ``down`` row-wise), then FSDP over
-    ``dp`` (Lightning's job does the same: lightning_tp_job.py)."""
-    parallelize_module(net, tp, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    return shard(net, dp)
-
-
-def train(net: Net, layout: str, rank: int, batches: list, pace=None) -> None:
+def train(net: MeshNet, layout: str, rank: int, batches: list, pace=None) -> None:
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
     for x, y in batches:
         if pace is not None:
@@ -98,7 +58,7 @@ def train(net: Net, layout: str, rank: int, batches: list, pace=None) -> None:
             pace.end_step(samples=len(x))
 
 
-def full_weights(net: Net) -> dict[str, torch.Tensor]:
+def full_weights(net: MeshNet) -> dict[str, torch.Tensor]:
     return {name: p.detach().full_tensor().clone() for name, p in net.named_parameters()}
 
 
@@ -112,11 +72,11 @@ def run(out: Path, layout: str, rank: int, world: int) -> None:
     ys = torch.randn(STEPS, world, BATCH, 1, generator=data)
     batches = [(xs[s, dp], ys[s, dp]) for s in range(STEPS)]
 
-    plain = build(layout, mesh)
+    plain = build_on_mesh(layout, mesh)
     train(plain, layout, rank, batches)
     plain_weights = full_weights(plain)
 
-    paced = build(layout, mesh)
+    paced = build_on_mesh(layout, mesh)
     record = out / layout / "record"
     writer = None
     if rank == 0:
