@@ -333,9 +333,14 @@ def _register(
     undo(model.register_forward_pre_hook(handle._begin, with_kwargs=True).remove)
     # accelerate's optimizer wrapper steps the wrapped optimizer only where gradients synchronize.
     inner = getattr(optimizer, "optimizer", optimizer)
-    undo(inner.register_step_post_hook(handle._end).remove)
-    if trackers is not None:
-        undo(inner.register_step_post_hook(trackers.flush).remove)
+    end: Callable[..., None] = handle._end
+    if trackers is not None:  # one hook: the step ends, then the tags go out
+
+        def end(*args: Any) -> None:
+            handle._end(*args)
+            trackers.flush()
+
+    undo(inner.register_step_post_hook(end).remove)
     if inner is not optimizer:
         undo(_end_skipped_steps(handle, optimizer))
     for loader in loaders:
