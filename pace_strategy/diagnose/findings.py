@@ -33,7 +33,7 @@ from pace_strategy.diagnose.run_stats import (
 from pace_strategy.diagnose.slow_groups import slow_group, straggler_episode
 from pace_strategy.telemetry.arrays import RunLines, timeline_notes
 from pace_strategy.telemetry.run_record import arrival_of, hang_text
-from pace_strategy.telemetry.topology import tensor_parallel_caveat
+from pace_strategy.telemetry.topology import tensor_parallel_caveat, tensor_parallel_groups
 
 __all__ = ["MODES", "Diagnosis", "Finding", "Mode", "diagnose", "diagnose_run", "projection_text"]
 
@@ -143,7 +143,7 @@ def diagnose_run(
     digest = digest_run(a, cfg)
     run = RunStats(a, cfg, digest)
     findings = _run_checks(run)
-    notes += run.notes
+    notes += run.notes + _tensor_parallel_group_notes(a, digest)
     if rebalanced is not None:
         for f in findings:
             if f.mode is Mode.PERSISTENT_STRAGGLER:
@@ -193,6 +193,26 @@ def diagnose_run(
         notes=notes,
         projection=projection,
     ), digest
+
+
+def _tensor_parallel_group_notes(a: RunLines, digest: RunDigest) -> list[str]:
+    """On a tensor-parallel mesh: the tensor-parallel group that arrived last most often (a group
+    arrives with its last member, so this holds whichever member's wait the per-rank numbers show)."""
+    groups = tensor_parallel_groups(a.header.get("topology") or [])
+    if groups is None or len(groups) != a.world_size or not len(digest.straggler):
+        return []
+    keys = [tuple(sorted(g.items())) for g in groups]
+    number = {key: i for i, key in enumerate(dict.fromkeys(keys))}
+    of_rank = np.array([number[key] for key in keys])
+    counts = np.bincount(of_rank[digest.straggler], minlength=len(number))
+    top = int(counts.argmax())
+    members = [r for r, key in enumerate(keys) if number[key] == top]
+    where = ", ".join(f"{k} {v}" for k, v in keys[members[0]])
+    return [
+        f"the tensor-parallel group of {where} (ranks {', '.join(map(str, members))}) arrived last in "
+        f"{counts[top] / counts.sum():.0%} of {int(counts.sum())} steps (a group arrives with its last "
+        "member): its slow member, if one is slow, is one of these ranks; which one is not timed"
+    ]
 
 
 def _record_notes(a: RunLines) -> list[str]:

@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pace_strategy.telemetry.topology import tensor_parallel_groups
+
 __all__ = ["TagGroups", "tag_groups"]
 
 
@@ -60,13 +62,13 @@ def tag_groups(
     def values(key: str) -> list[Any]:
         return [p.get(key) for p in places]
 
-    replicas, tensor = values("dp_replicate"), values("tp")
+    replicas = values("dp_replicate")
     candidates: list[tuple[str, list[Any]]] = []
     if None not in replicas and len(set(replicas)) > 1:
         candidates.append(("replica", replicas))
-    if None not in tensor and len(set(tensor)) > 1:
-        others = ("dp_replicate", "dp_shard", "pp", "cp")
-        candidates.append(("dp", [tuple(p.get(k) for k in others) for p in places]))
+    tensor_groups = tensor_parallel_groups(places)
+    if tensor_groups is not None:
+        candidates.append(("dp", [tuple(sorted(g.items())) for g in tensor_groups]))
     nodes = values("node_rank")
     if all(isinstance(n, int) and n >= 0 for n in nodes):
         candidates.append(("node", nodes))

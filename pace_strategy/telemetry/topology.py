@@ -248,6 +248,20 @@ def local_placement(
     )
 
 
+#: a rank's data-parallel coordinates: the ranks of one tensor-parallel group share all of them
+DATA_PARALLEL_KEYS = ("dp_replicate", "dp_shard", "pp", "cp")
+
+
+def tensor_parallel_groups(topology: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]] | None:
+    """Each rank's tensor-parallel group (by rank order) as its data-parallel coordinates (the keys
+    of :data:`DATA_PARALLEL_KEYS` the record gives), or ``None`` on a mesh without two tensor-parallel
+    coordinates. A group arrives at the data-parallel sync point with its last member."""
+    places = sorted(topology, key=lambda p: int(p.get("rank", 0)))
+    if len({p.get("tp") for p in places if isinstance(p.get("tp"), int)}) < 2:
+        return None
+    return [{k: p[k] for k in DATA_PARALLEL_KEYS if isinstance(p.get(k), int)} for p in places]
+
+
 def tensor_parallel_caveat(topology: Sequence[Mapping[str, Any]]) -> str | None:
     """What a record of a mesh with a tensor-parallel dimension cannot say (``None`` without one):
     said once at start and by ``pace diagnose``, so that no finding on such a mesh is read as more

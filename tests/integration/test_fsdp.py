@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -108,6 +109,10 @@ def test_paced_fsdp_with_tensor_parallelism_records_the_mesh_and_says_what_it_ca
     assert [s["step"] for s in record.steps] == list(range(24))
     notes = diagnose_json(tmp_path)["notes"]
     assert any(n.startswith("a tensor-parallel mesh (2 ranks per tensor-parallel group)") for n in notes)
+    # slow rank 1's group, dp_shard 0 (ranks 0 and 1), arrives last: named, with its share of steps
+    (group,) = [n for n in notes if n.startswith("the tensor-parallel group of ")]
+    found = re.match(r"the tensor-parallel group of dp_shard 0 \(ranks 0, 1\) arrived last in (\d+)%", group)
+    assert found and int(found.group(1)) >= 80, group
 
 
 @pytest.mark.long

@@ -7,6 +7,7 @@ to the same layout unpaced; HSDP's slow rank is named with its place in the mesh
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -121,3 +122,14 @@ def test_above_the_per_rank_limit_the_tags_name_the_slow_rank_s_group(run, layou
     if layout == "hsdp":
         last = [scalars[f"pace/lead_ms/{group}"][s["step"]] == 0.0 for s in measured]
         assert sum(last) >= 0.8 * len(measured), last
+
+
+def test_fsdp_x_tp_s_diagnosis_names_the_tensor_parallel_group_that_arrived_last(run):
+    """A group arrives with its last member: the diagnosis names the group that did most often, with
+    its ranks and share (under this forced run either group may be last: the share is not bounded;
+    the 30 ms case under monitor mode is test_fsdp.py's Lightning job)."""
+    notes = diagnose_json(run / "tp" / "record")["notes"]
+    (group,) = [n for n in notes if n.startswith("the tensor-parallel group of ")]
+    assert re.match(
+        r"the tensor-parallel group of dp_shard (0 \(ranks 0, 1\)|1 \(ranks 2, 3\)) arrived last in", group
+    )
