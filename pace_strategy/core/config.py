@@ -24,6 +24,7 @@ __all__ = [
     "PacingMode",
     "RebalanceConfig",
     "check_known_keys",
+    "check_number",
     "doc",
     "nest_switches",
     "recorded_switch",
@@ -52,9 +53,9 @@ def check_known_keys(keys: Iterable[str], known: Sequence[str], what: str, prefi
         if key not in known:
             hint = difflib.get_close_matches(str(key), list(known), n=1)
             suggestion = f" Did you mean {prefix + hint[0]!r}?" if hint else ""
-            raise PacingConfigError(
-                f"Unknown {what} {prefix + str(key)!r}.{suggestion} Valid: {', '.join(known)}."
-            )
+            # an empty name under a group is named by its group ('rebalance.' would read as a typo)
+            name = f"'' in {prefix.rstrip('.')!r}" if key == "" and prefix else repr(prefix + str(key))
+            raise PacingConfigError(f"Unknown {what} {name}.{suggestion} Valid: {', '.join(known)}.")
 
 
 class _Group:
@@ -790,6 +791,38 @@ def _fail(name: str, value: object, allowed: str) -> None:
     )
 
 
+def check_number(
+    where: str,
+    value: object,
+    low: float,
+    high: float = math.inf,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    fix: str = "",
+) -> None:
+    """``value`` a finite number (not a bool) in ``[low, high]`` (``low_open`` / ``high_open``: the
+    bound excluded), else ``PacingConfigError`` naming ``where`` (``Config.field``), echoing the value,
+    saying what is allowed and ``fix`` (``{allowed}`` in it: what is allowed). The one number check
+    of every typed config: the pacing groups, the diagnosis thresholds, the simulator's model."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    try:
+        ok = ok and math.isfinite(value)  # type: ignore[arg-type]
+    except OverflowError:  # an int beyond the float range
+        ok = False
+    if ok:
+        number = float(value)  # type: ignore[arg-type]
+        ok = (number > low if low_open else number >= low) and (
+            number < high if high_open else number <= high
+        )
+    if not ok:
+        lo = f"> {low:g}" if low_open else f">= {low:g}"
+        hi = "" if math.isinf(high) else (f" and < {high:g}" if high_open else f" and <= {high:g}")
+        allowed = f"a finite number {lo}{hi}"
+        fixed = f" Fix: {fix.format(allowed=allowed)}." if fix else ""
+        raise PacingConfigError(f"{where}={value!r} is invalid: expected {allowed}.{fixed}")
+
+
 def _display(cfg: Any, name: str) -> str:
     """``name``, or ``group.name`` for a field of a nested group."""
     return cfg._name(name) if isinstance(cfg, _Group) else name
@@ -814,18 +847,9 @@ def _number(
     high: float = math.inf,
     low_open: bool = False,
 ) -> None:
-    value = getattr(cfg, name)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    try:
-        ok = ok and math.isfinite(value)
-    except OverflowError:  # an int beyond the float range
-        ok = False
-    if ok:
-        ok = (value > low if low_open else value >= low) and value <= high
-    if not ok:
-        lo = f"> {low:g}" if low_open else f">= {low:g}"
-        hi = "" if math.isinf(high) else f" and <= {high:g}"
-        _fail(_display(cfg, name), value, f"a finite number {lo}{hi}")
+    shown = _display(cfg, name)
+    fix = f"set {shown} to {{allowed}} (see docs/configuration.md)"
+    check_number(f"PacingConfig.{shown}", getattr(cfg, name), low, high, low_open=low_open, fix=fix)
 
 
 def _check_keywords(init: Any) -> Any:

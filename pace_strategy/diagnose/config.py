@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pace_strategy.core.config import check_known_keys, doc
-from pace_strategy.core.errors import PacingConfigError
+from pace_strategy.core.config import check_known_keys, check_number, doc
 
 __all__ = ["DiagnosisConfig"]
 
@@ -24,6 +24,10 @@ _SHARES = (
     "gc_explained_share",
     "input_explained_share",
 )
+
+
+#: counts of steps, at least 1
+_STEPS = ("min_steps", "projection_steps", "projection_calibration_steps")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,33 +193,19 @@ class DiagnosisConfig:
     )
 
     def __post_init__(self) -> None:
+        # the pacing config's number check: a share in (0, 1], a count of steps at least 1, busy
+        # threads per core above 0, every other threshold a number >= 0
         for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise PacingConfigError(
-                    f"DiagnosisConfig.{f.name}={value!r} is invalid: expected a number >= 0. "
-                    f"Fix: pass --set {f.name}=<number>."
-                )
-        for name in _SHARES:
-            if not 0 < getattr(self, name) <= 1:
-                raise PacingConfigError(
-                    f"DiagnosisConfig.{name}={getattr(self, name)!r} is invalid: expected 0 < value <= 1."
-                )
-        for name in ("projection_steps", "projection_calibration_steps"):
-            if getattr(self, name) < 1:
-                raise PacingConfigError(
-                    f"DiagnosisConfig.{name}={getattr(self, name)!r} is invalid: expected at least 1 step. "
-                    f"Fix: pass --set {name}=<steps>."
-                )
-        if self.busy_threads_per_core <= 0:
-            raise PacingConfigError(
-                f"DiagnosisConfig.busy_threads_per_core={self.busy_threads_per_core!r} is invalid: "
-                "expected a number > 0 (1: one busy thread per core)."
-            )
-        if self.min_steps < 1:
-            raise PacingConfigError(
-                f"DiagnosisConfig.min_steps={self.min_steps!r} is invalid: expected at least 1 step "
-                "(the statistics need one). Fix: pass --set min_steps=<steps>."
+            low, high, low_open = 0.0, math.inf, False
+            if f.name in _SHARES:
+                high, low_open = 1.0, True
+            elif f.name in _STEPS:
+                low = 1.0
+            elif f.name == "busy_threads_per_core":
+                low_open = True
+            fix = f"pass --set {f.name}=<{'steps' if f.name in _STEPS else 'number'}>"
+            check_number(
+                f"DiagnosisConfig.{f.name}", getattr(self, f.name), low, high, low_open=low_open, fix=fix
             )
 
     @classmethod

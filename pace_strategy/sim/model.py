@@ -11,13 +11,15 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pace_strategy.core.config import PacingConfig, doc
+from pace_strategy.core.config import PacingConfig, check_number, doc
 from pace_strategy.core.errors import PacingConfigError
 
 __all__ = ["ComputeModel", "NetworkModel", "SimConfig"]
 
 
 def _check(cond: bool, where: str, value: Any, allowed: str) -> None:
+    """What is not a number range (a switch, a choice, a list of counts): numbers go through the
+    typed configs' shared :func:`~pace_strategy.core.config.check_number`."""
     if not cond:
         raise PacingConfigError(f"{where}={value!r} is invalid: expected {allowed}.")
 
@@ -87,7 +89,7 @@ class ComputeModel:
     def __post_init__(self) -> None:
         names = ("base_ms", "jitter_ms", "common_jitter_ms", "transient_ms", "data_stall_ms", "other_ms")
         for name in (*names, "gc_pause_ms"):
-            _check(getattr(self, name) >= 0, f"compute.{name}", getattr(self, name), "a number >= 0")
+            check_number(f"compute.{name}", getattr(self, name), 0.0)
         _check(isinstance(self.gc_sync, bool), "compute.gc_sync", self.gc_sync, "true or false")
         shares = (
             "transient_probability",
@@ -96,9 +98,8 @@ class ComputeModel:
             "gc_pause_probability",
         )
         for name in shares:
-            v = getattr(self, name)
-            _check(0 <= v <= 1, f"compute.{name}", v, "a number in [0, 1]")
-        _check(self.slow_factor >= 1, "compute.slow_factor", self.slow_factor, "a number >= 1")
+            check_number(f"compute.{name}", getattr(self, name), 0.0, 1.0)
+        check_number("compute.slow_factor", self.slow_factor, 1.0)
 
     def gc_pauses_ms(self, rng: np.random.Generator, k: int, ranks: int) -> np.ndarray:
         """``[k, ranks]`` garbage-collector pauses of ``k`` steps, ms.
@@ -167,11 +168,12 @@ class NetworkModel:
             "background_cv",
             "spin_contention",
         ):
-            _check(getattr(self, name) >= 0, f"network.{name}", getattr(self, name), "a number >= 0")
-        _check(self.intra_node_gbps > 0 and self.node_gbps > 0, "network bandwidth", self.node_gbps, "> 0")
+            check_number(f"network.{name}", getattr(self, name), 0.0)
+        for name in ("intra_node_gbps", "node_gbps"):
+            check_number(f"network.{name}", getattr(self, name), 0.0, low_open=True)
         _check(self.nodes_per_leaf >= 1, "network.nodes_per_leaf", self.nodes_per_leaf, "an integer >= 1")
-        _check(self.oversubscription >= 1, "network.oversubscription", self.oversubscription, "a number >= 1")
-        _check(0 <= self.background_load < 1, "network.background_load", self.background_load, "0 <= x < 1")
+        check_number("network.oversubscription", self.oversubscription, 1.0)
+        check_number("network.background_load", self.background_load, 0.0, 1.0, high_open=True)
         _check(
             self.ring_order in ("topology", "interleaved"),
             "network.ring_order",
