@@ -42,7 +42,7 @@ from pace_strategy.telemetry.topology import (
     LoaderWorkers,
     elastic_restart_count,
     local_placement,
-    tensor_parallel_caveat,
+    mesh_caveats,
 )
 
 __all__ = ["PacingSession"]
@@ -159,7 +159,7 @@ class PacingSession:
             progress=lambda: (self.pacer.progress, self.pacer.progress_step),
         )
         close_at_exit(self)
-        if rank == 0 and (caveat := tensor_parallel_caveat(self.topology)) is not None:
+        for caveat in mesh_caveats(self.topology) if rank == 0 else ():
             log.warning("pace_strategy: %s", caveat)
 
     @classmethod

@@ -33,7 +33,7 @@ from pace_strategy.diagnose.run_stats import (
 from pace_strategy.diagnose.slow_groups import slow_group, straggler_episode
 from pace_strategy.telemetry.arrays import RunLines, timeline_notes
 from pace_strategy.telemetry.run_record import arrival_of, hang_text
-from pace_strategy.telemetry.topology import tensor_parallel_caveat, tensor_parallel_groups
+from pace_strategy.telemetry.topology import mesh_caveats, tensor_parallel_groups
 
 __all__ = ["MODES", "Diagnosis", "Finding", "Mode", "diagnose", "diagnose_run", "projection_text"]
 
@@ -240,9 +240,7 @@ def _record_notes(a: RunLines) -> list[str]:
             "this record is of schema version 1: a DDP rank's arrival was its first gradient, so the rest "
             "of its backward counts as waiting here; a rank slow in backward looks on time in it"
         )
-    caveat = tensor_parallel_caveat(a.header.get("topology") or [])
-    if caveat is not None:
-        notes.append(caveat)
+    notes += mesh_caveats(a.header.get("topology") or [])
     notes += timeline_notes(a)
     imported = a.header.get("imported")
     if imported:

@@ -22,9 +22,9 @@ __all__ = [
     "cpu_ranges",
     "elastic_restart_count",
     "local_placement",
+    "mesh_caveats",
     "mesh_coordinates",
     "parse_cpu_ranges",
-    "tensor_parallel_caveat",
 ]
 
 #: the mesh dimensions a rank's coordinates are recorded by: data parallel replicated (HSDP's
@@ -262,20 +262,42 @@ def tensor_parallel_groups(topology: Sequence[Mapping[str, Any]]) -> list[dict[s
     return [{k: p[k] for k in DATA_PARALLEL_KEYS if isinstance(p.get(k), int)} for p in places]
 
 
-def tensor_parallel_caveat(topology: Sequence[Mapping[str, Any]]) -> str | None:
-    """What a record of a mesh with a tensor-parallel dimension cannot say (``None`` without one):
-    said once at start and by ``pace diagnose``, so that no finding on such a mesh is read as more
-    than it is."""
-    members = {p.get("tp") for p in topology if isinstance(p.get("tp"), int)}  # the tp coordinates
-    if len(members) < 2:
-        return None
-    return (
-        f"a tensor-parallel mesh ({len(members)} ranks per tensor-parallel group): the tensor-parallel "
-        "collectives inside forward and backward are not timed apart, so a rank's wait in them counts "
-        "as its compute and a slow member's lateness spreads to its group's other ranks and through "
-        "them to the data-parallel peers; which rank is slow is not reliable on this mesh (the step's "
-        "total waiting, pacing and each rank's mesh coordinates are; docs/pytorch.md)"
-    )
+def _size(topology: Sequence[Mapping[str, Any]], key: str) -> int:
+    """How many coordinates along ``key`` the ranks have (0: not recorded)."""
+    return len({p.get(key) for p in topology if isinstance(p.get(key), int)})
+
+
+def mesh_caveats(topology: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What a record of a mesh cannot say, per parallelism that runs collectives of its own inside a
+    step (tensor, context) or between its ranks (pipeline): said once at start and by ``pace
+    diagnose``, so that no finding on such a layout is read as more than it is."""
+    out = []
+    tp, cp, pp = _size(topology, "tp"), _size(topology, "cp"), _size(topology, "pp")
+    if tp > 1:
+        out.append(
+            f"a tensor-parallel mesh ({tp} ranks per tensor-parallel group): the tensor-parallel "
+            "collectives inside forward and backward are not timed apart, so a rank's wait in them counts "
+            "as its compute and a slow member's lateness spreads to its group's other ranks and through "
+            "them to the data-parallel peers; which rank is slow is not reliable on this mesh (the step's "
+            "total waiting, pacing and each rank's mesh coordinates are; docs/pytorch.md)"
+        )
+    if cp > 1:
+        out.append(
+            f"a context-parallel mesh ({cp} ranks per context-parallel group): the context-parallel "
+            "collectives of attention (its ring or all-to-all exchanges of keys and values) are not timed "
+            "apart, so a rank's wait in them counts as its compute and a slow member's lateness spreads to "
+            "its group; which rank is slow is not reliable on this mesh (the step's total waiting, pacing "
+            "and each rank's coordinates are; docs/pytorch.md)"
+        )
+    if pp > 1:
+        out.append(
+            f"a pipeline of {pp} stages: the schedule's sends and receives between stages are not timed, so "
+            "a stage's wait for its neighbours counts as its compute and a slow stage's lateness spreads "
+            "to the others; which stage is slow is not reliable from a live record (an op table with the "
+            "receives is: pace import ops, docs/import.md); the data-parallel sync point and pacing are "
+            "unaffected (docs/pytorch.md)"
+        )
+    return out
 
 
 class LoaderWorkers:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from pace_strategy.telemetry.topology import local_placement, mesh_coordinates, tensor_parallel_caveat
+from pace_strategy.telemetry.topology import local_placement, mesh_caveats, mesh_coordinates
 
 
 @pytest.fixture
@@ -55,12 +55,18 @@ def test_node_and_local_rank_come_from_torchrun_else_from_slurm(monkeypatch):
     assert (local_placement(0, cpu).node_rank, local_placement(0, cpu).local_rank) == (1, 2)
 
 
-def test_a_tensor_parallel_mesh_is_said_to_be_unreliable_per_rank_and_others_are_not():
+def test_layouts_with_collectives_of_their_own_are_said_to_be_unreliable_per_rank_and_others_are_not():
     tp = [{"dp_shard": d, "tp": t} for d in (0, 1) for t in (0, 1)]
-    caveat = tensor_parallel_caveat(tp)
-    assert caveat is not None and "2 ranks per tensor-parallel group" in caveat
-    assert "which rank is slow is not reliable" in caveat
+    (caveat,) = mesh_caveats(tp)
+    assert "2 ranks per tensor-parallel group" in caveat and "which rank is slow is not reliable" in caveat
+    cp = [{"dp_shard": d, "cp": c} for d in (0, 1) for c in (0, 1)]
+    (caveat,) = mesh_caveats(cp)
+    assert "2 ranks per context-parallel group" in caveat and "which rank is slow is not reliable" in caveat
+    pp = [{"dp_shard": d, "pp": s} for d in (0, 1) for s in (0, 1, 2)]
+    (caveat,) = mesh_caveats(pp)
+    assert "a pipeline of 3 stages" in caveat and "which stage is slow is not reliable" in caveat
+    assert len(mesh_caveats([{**a, **b} for a, b in zip(tp, cp, strict=True)])) == 2
     hsdp = [{"dp_replicate": r, "dp_shard": s} for r in (0, 1) for s in (0, 1)]
-    assert tensor_parallel_caveat(hsdp) is None
-    assert tensor_parallel_caveat([{"dp_shard": 0, "tp": 0}, {"dp_shard": 1, "tp": 0}]) is None  # tp size 1
-    assert tensor_parallel_caveat([]) is None
+    assert mesh_caveats(hsdp) == []
+    assert mesh_caveats([{"dp_shard": 0, "tp": 0}, {"dp_shard": 1, "tp": 0}]) == []  # tp size 1
+    assert mesh_caveats([]) == []
