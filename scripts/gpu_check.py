@@ -663,23 +663,33 @@ def _nccl_pair(out: Path, steps: int) -> Result:
 
 
 # ------------------------------------------------------------------------------------- several GPUs
-def _multi_rank(rank: int, world: int, out: str, steps: int) -> None:
-    """One of N ranks, one GPU each, NCCL: plain DDP, then paced in each monitor mode, then FSDP2."""
+def _join_ranks(rank: int, world: int, out: str, store: str) -> Any:
+    """One of N ranks, one GPU each (the CPU in the rehearsal): its device, after joining the job's
+    process group over a file store named ``store`` in ``out``."""
     from datetime import timedelta
 
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cpu") if _on_cpu() else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    files = dist.FileStore(os.path.join(out, store), world)
+    dist.init_process_group(
+        _backend(), store=files, rank=rank, world_size=world, timeout=timedelta(seconds=90)
+    )
+    return device
+
+
+def _multi_rank(rank: int, world: int, out: str, steps: int) -> None:
+    """One of N ranks, one GPU each, NCCL: plain DDP, then paced in each monitor mode, then FSDP2."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import pace_strategy
 
-    device = torch.device("cpu") if _on_cpu() else torch.device("cuda", rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    store = dist.FileStore(os.path.join(out, "multi_store"), world)
-    dist.init_process_group(
-        _backend(), store=store, rank=rank, world_size=world, timeout=timedelta(seconds=90)
-    )
+    device = _join_ranks(rank, world, out, "multi_store")
     width = REHEARSAL_WIDTH if _on_cpu() else 1024
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randn(32, width, generator=g).to(device) for _ in range(steps)]
@@ -764,8 +774,6 @@ def _multi_gpu(out: Path, steps: int) -> Result:
 def _mesh_rank(rank: int, world: int, out: str, steps: int) -> None:
     """One of 4 ranks, one GPU each: each mesh layout trained unpaced, then paced (forced), from the
     same weights on the same batches; rank 0 saves both runs' full weights."""
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -773,13 +781,7 @@ def _mesh_rank(rank: int, world: int, out: str, steps: int) -> None:
     import pace_strategy
     from pace_strategy.testing.meshes import LAYOUTS, build_on_mesh
 
-    device = torch.device("cpu") if _on_cpu() else torch.device("cuda", rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    store = dist.FileStore(os.path.join(out, "mesh_store"), world)
-    dist.init_process_group(
-        _backend(), store=store, rank=rank, world_size=world, timeout=timedelta(seconds=90)
-    )
+    device = _join_ranks(rank, world, out, "mesh_store")
     saved: dict[str, Any] = {}
     for layout, names in LAYOUTS.items():
         mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=names)

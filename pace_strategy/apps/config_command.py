@@ -18,11 +18,11 @@ def settings() -> list[dict[str, Any]]:
     from pace_strategy.core.config import SWITCHED_GROUPS, PacingConfig
     from pace_strategy.integrations.env import env_name
 
-    defaults = PacingConfig().to_dict()
+    defaults = PacingConfig().dotted_values()
     out = []
     for name, field in PacingConfig.dotted_fields().items():
         group, _, leaf = name.rpartition(".")
-        default = defaults[group][leaf] if group else defaults[name]
+        default = defaults[name]
         variable = env_name(name)
         if group in SWITCHED_GROUPS and leaf == "enabled":
             variable += f" or {env_name(group)}"  # a group's bare switch: PACE_REBALANCE=1

@@ -66,14 +66,12 @@ def _configuration(environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         config = config_from_env(environ) or PacingConfig()
-    values = config.to_dict()
     # the variable that set each field (a group's bare switch sets its ``enabled``): the contract's map
     source = {field: variable for variable, field in env_fields().items() if variable in environ}
-    out: dict[str, dict[str, Any]] = {}
-    for name in PacingConfig.dotted_fields():
-        group, _, leaf = name.rpartition(".")
-        value = values[group][leaf] if group else values[name]
-        out[name] = {"value": value, "from": source.get(name, "default"), "variable": env_name(name)}
+    out: dict[str, dict[str, Any]] = {
+        name: {"value": value, "from": source.get(name, "default"), "variable": env_name(name)}
+        for name, value in config.dotted_values().items()
+    }
     if caught:
         out["(ignored)"] = {"value": [str(w.message) for w in caught], "from": "environment", "variable": ""}
     return out

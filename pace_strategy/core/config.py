@@ -736,6 +736,15 @@ class PacingConfig:
                 out.update((f"{f.name}.{g.name}", g) for g in fields(group))
         return out
 
+    def dotted_values(self) -> dict[str, Any]:
+        """Every leaf field's value, by its :meth:`dotted_fields` name (``rebalance.quantum``)."""
+        values = self.to_dict()
+        out: dict[str, Any] = {}
+        for name in self.dotted_fields():
+            group, _, leaf = name.rpartition(".")
+            out[name] = values[group][leaf] if group else values[name]
+        return out
+
     @classmethod
     def field_docs(cls) -> dict[str, str]:
         """Map of field name to its documentation (meaning, unit)."""

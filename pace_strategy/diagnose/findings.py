@@ -33,7 +33,7 @@ from pace_strategy.diagnose.run_stats import (
 from pace_strategy.diagnose.slow_groups import slow_group, straggler_episode
 from pace_strategy.telemetry.arrays import RunLines, timeline_notes
 from pace_strategy.telemetry.run_record import arrival_of, hang_text
-from pace_strategy.telemetry.topology import mesh_caveats, tensor_parallel_groups
+from pace_strategy.telemetry.topology import group_numbers, mesh_caveats, tensor_parallel_groups
 
 __all__ = ["MODES", "Diagnosis", "Finding", "Mode", "diagnose", "diagnose_run", "projection_text"]
 
@@ -202,11 +202,10 @@ def _tensor_parallel_group_notes(a: RunLines, digest: RunDigest) -> list[str]:
     if groups is None or len(groups) != a.world_size or not len(digest.straggler):
         return []
     keys = [tuple(sorted(g.items())) for g in groups]
-    number = {key: i for i, key in enumerate(dict.fromkeys(keys))}
-    of_rank = np.array([number[key] for key in keys])
-    counts = np.bincount(of_rank[digest.straggler], minlength=len(number))
+    of_rank = np.array(group_numbers(keys))
+    counts = np.bincount(of_rank[digest.straggler], minlength=int(of_rank.max()) + 1)
     top = int(counts.argmax())
-    members = [r for r, key in enumerate(keys) if number[key] == top]
+    members = [int(r) for r in np.flatnonzero(of_rank == top)]
     where = ", ".join(f"{k} {v}" for k, v in keys[members[0]])
     return [
         f"the tensor-parallel group of {where} (ranks {', '.join(map(str, members))}) arrived last in "

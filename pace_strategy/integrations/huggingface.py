@@ -12,7 +12,6 @@ other reporting callback's ``on_log`` (MLflow, W&B, Comet, ...) on the training 
 
 from __future__ import annotations
 
-import collections
 import copy
 import logging
 import math
@@ -35,6 +34,7 @@ from pace_strategy.integrations.accelerate.attach import (
 )
 from pace_strategy.integrations.dashboard import add_scalars
 from pace_strategy.integrations.env import record_dir
+from pace_strategy.integrations.loggers import TagHandOver
 
 if TYPE_CHECKING:
     from transformers import TrainerControl, TrainerState, TrainingArguments
@@ -243,9 +243,6 @@ class _TrainerTags:
     tracker that drops steps behind its own (W&B plots against ``train/global_step``).
     """
 
-    #: tagged steps kept for :meth:`flush` (a window's worth many times over); older ones are dropped
-    QUEUE = 4096
-
     def __init__(self, trainer: Any) -> None:
         self._trainer = trainer
         self._lock = threading.Lock()
@@ -254,7 +251,7 @@ class _TrainerTags:
         self._used: Any | None = None  # the Trainer's writer, last seen open
         self._own: Any | None = None
         self._others: list[Any] = []  # the reporting callbacks other than TensorBoard's
-        self._queue: collections.deque[tuple[int, dict[str, float]]] = collections.deque(maxlen=self.QUEUE)
+        self._handover = TagHandOver()  # the other reporting callbacks' tags
 
     def start(self, global_step: int) -> None:
         self._first_step = global_step
@@ -274,8 +271,7 @@ class _TrainerTags:
 
     def flush(self, args: Any, state: Any, control: Any) -> None:
         """Hand the queued tags to the other reporting callbacks (training thread, rank 0)."""
-        while self._queue:
-            global_step, metrics = self._queue.popleft()
+        for global_step, metrics in self._handover.drain():
             at_step = copy.copy(state)  # shallow: the log history stays the Trainer's own
             at_step.global_step = global_step
             for callback in self._others:
@@ -299,7 +295,7 @@ class _TrainerTags:
         # pace step i (from 0) is the Trainer's (i + 1)-th optimizer step: global_step i + 1
         global_step = self._first_step + step + 1
         if self._others:
-            self._queue.append((global_step, dict(metrics)))
+            self._handover.put(global_step, metrics)
         with self._lock:
             writer = self._trainer_writer()
             if writer is not None:
@@ -331,7 +327,7 @@ class _TrainerTags:
                 writer.add_custom_scalars(dict(layout))
 
     def close(self) -> None:
-        self._queue.clear()  # the other callbacks' trackers are ended (their on_train_end came first)
+        self._handover.clear()  # the other callbacks' trackers are ended (their on_train_end came first)
         with self._lock:
             if self._own is not None:
                 self._own.close()

@@ -11,15 +11,16 @@ the end of the session): the training thread waits at most while one step's tags
 
 from __future__ import annotations
 
+import collections
 import functools
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from pace_strategy.integrations.dashboard import add_scalars, is_tensorboard_logger
 from pace_strategy.telemetry.sinks import MetricsSink
 
-__all__ = ["LOCKED_METHODS", "loggers_sink"]
+__all__ = ["LOCKED_METHODS", "TagHandOver", "loggers_sink"]
 
 #: the logger methods the lock serializes (those that touch what ``log_metrics`` writes)
 LOCKED_METHODS = ("log_metrics", "log_hyperparams", "log_graph", "save", "finalize", "after_save_checkpoint")
@@ -72,3 +73,41 @@ def _serialize(logger: Any) -> Callable[[], None]:
         wrapped.clear()
 
     return undo
+
+
+class TagHandOver:
+    """Tagged steps from the telemetry thread, handed to loggers on the training thread.
+
+    Where a logger is also called by the training thread and promises nothing about a second one
+    (the HF Trainer's reporting callbacks, Accelerate's trackers other than TensorBoard), the tags
+    wait here (:meth:`put`) and the training thread takes them in step order (:meth:`drain`) at
+    the end of a step. Bounded: beyond :attr:`QUEUE` waiting steps the oldest are dropped."""
+
+    #: tagged steps kept (a window's worth many times over)
+    QUEUE = 4096
+
+    def __init__(self) -> None:
+        self._queue: collections.deque[tuple[int, dict[str, float]]] = collections.deque(maxlen=self.QUEUE)
+        self._draining = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def put(self, step: int, metrics: Mapping[str, float]) -> None:
+        """One step's tags (telemetry thread)."""
+        self._queue.append((step, dict(metrics)))
+
+    def drain(self) -> Iterator[tuple[int, dict[str, float]]]:
+        """The waiting steps and their tags, oldest first (training thread). Not re-entered: a
+        SIGTERM handler that detaches while this thread is in a logger's call gets nothing."""
+        if not self._queue or not self._draining.acquire(blocking=False):
+            return
+        try:
+            while self._queue:
+                yield self._queue.popleft()
+        finally:
+            self._draining.release()
+
+    def clear(self) -> None:
+        """Drop what waits (the loggers have ended)."""
+        self._queue.clear()

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pace_strategy.telemetry.topology import tensor_parallel_groups
+from pace_strategy.telemetry.topology import group_numbers, tensor_parallel_groups
 
 __all__ = ["TagGroups", "tag_groups"]
 
@@ -41,12 +41,6 @@ class TagGroups:
     def label(self, group: int) -> str:
         """The group's name in tags and Prometheus labels: ``replica_0``, ``dp_3``, ``node_12``."""
         return f"{self.kind}_{group}"
-
-
-def _dense(keys: Sequence[Any]) -> tuple[int, ...]:
-    """Each key's group number, in order of first appearance."""
-    numbers: dict[Any, int] = {}
-    return tuple(numbers.setdefault(key, len(numbers)) for key in keys)
 
 
 def tag_groups(
@@ -73,7 +67,7 @@ def tag_groups(
     if all(isinstance(n, int) and n >= 0 for n in nodes):
         candidates.append(("node", nodes))
     for kind, keys in candidates:
-        index = _dense(keys)
+        index = group_numbers(keys)
         if 2 <= max(index) + 1 <= per_rank_tag_limit:
             return TagGroups(kind, index)
     return None

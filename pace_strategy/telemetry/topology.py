@@ -21,6 +21,7 @@ __all__ = [
     "RankPlacement",
     "cpu_ranges",
     "elastic_restart_count",
+    "group_numbers",
     "local_placement",
     "mesh_caveats",
     "mesh_coordinates",
@@ -250,6 +251,12 @@ def local_placement(
 
 #: a rank's data-parallel coordinates: the ranks of one tensor-parallel group share all of them
 DATA_PARALLEL_KEYS = ("dp_replicate", "dp_shard", "pp", "cp")
+
+
+def group_numbers(keys: Sequence[Any]) -> tuple[int, ...]:
+    """Each key's group number, dense from 0 in order of first appearance (ranks by their key)."""
+    numbers: dict[Any, int] = {}
+    return tuple(numbers.setdefault(key, len(numbers)) for key in keys)
 
 
 def tensor_parallel_groups(topology: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]] | None:

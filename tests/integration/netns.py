@@ -87,3 +87,30 @@ def two_node_fabric(slow_rate_mbit: int) -> Iterator[tuple[Node, Node]]:
     finally:
         for ns in created:  # deleting a namespace removes its end of the veth pair, and so the pair
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def run_in_nodes(
+    jobs: list[tuple[Node, list[str], dict[str, str]]], timeout_s: float
+) -> list[tuple[int, str]]:
+    """Start each job's command (argv, environment) in its node's namespace, all at once, and wait for
+    them: each job's exit status and output (stdout and stderr). One still running after
+    ``timeout_s`` is killed (status negative, its output kept)."""
+    procs = [
+        subprocess.Popen(
+            ["ip", "netns", "exec", node.netns, *cmd],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node, cmd, env in jobs
+    ]
+    outs = []
+    for proc in procs:
+        try:
+            outs.append(proc.communicate(timeout=timeout_s)[0])
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            outs.append(proc.communicate()[0])
+    return [(proc.wait(), out) for proc, out in zip(procs, outs, strict=True)]

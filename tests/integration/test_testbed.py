@@ -281,26 +281,19 @@ def test_the_side_group_finds_the_interface_that_routes_to_the_master(tmp_path):
     """Two nodes in network namespaces, GLOO_SOCKET_IFNAME unset when the side group is built: gloo
     alone would take the host name's address (loopback in a namespace) and never connect; the side
     group takes the interface that routes to MASTER_ADDR instead."""
-    from tests.integration.netns import two_node_fabric
+    from tests.integration.netns import run_in_nodes, two_node_fabric
 
     script = Path(__file__).with_name("side_group_script.py")
     with two_node_fabric(slow_rate_mbit=1000) as (a, b):
         port = str(29000 + os.getpid() % 500)
-        procs = []
+        jobs = []
         for rank, node in enumerate((a, b)):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR=a.address, MASTER_PORT=port)
             env.update(GLOO_SOCKET_IFNAME=node.ifname, PYTHONPATH=str(script.parents[2]))
-            cmd = ["ip", "netns", "exec", node.netns, sys.executable, str(script)]
-            procs.append(
-                subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            )
-        try:
-            outs = [p.communicate(timeout=90)[0] for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-    for node, out, p in zip((a, b), outs, procs, strict=True):
-        assert p.returncode == 0, out[-2000:]
+            jobs.append((node, [sys.executable, str(script)], env))
+        ended = run_in_nodes(jobs, timeout_s=90)
+    for node, (status, out) in zip((a, b), ended, strict=True):
+        assert status == 0, out[-2000:]
         assert f"side group over {node.ifname} (job: {node.ifname}) sum 2" in out, out[-2000:]
         # lazily connected: its listening socket only (an eager group also connects to the peer)
         assert "side group built with 1 sockets" in out, out[-2000:]
@@ -313,12 +306,12 @@ def test_the_multinode_guide_s_torchrun_rendezvous_across_two_emulated_nodes(tmp
     has each rank's node from torchrun's GROUP_RANK and each node's host name; the slow rank is named."""
     from pace_strategy.telemetry import read_run_record
     from tests.integration.helpers import free_port
-    from tests.integration.netns import two_node_fabric
+    from tests.integration.netns import run_in_nodes, two_node_fabric
 
     script = Path(__file__).with_name("pytorch_script.py")
     with two_node_fabric(slow_rate_mbit=1000) as (a, b):
         port = str(free_port())
-        procs = []
+        jobs = []
         for node in (a, b):
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(script.parents[2]))
             # the job's own gloo group needs its interface (NCCL finds its own); the side group
@@ -328,22 +321,14 @@ def test_the_multinode_guide_s_torchrun_rendezvous_across_two_emulated_nodes(tmp
             # is told it hosts the rendezvous store, and each node its own address (torchrun's
             # --local-addr, which becomes the workers' MASTER_ADDR on the first node)
             host = f"is_host={int(node is a)}"
-            cmd = ["ip", "netns", "exec", node.netns, sys.executable, "-m", "torch.distributed.run",
+            cmd = [sys.executable, "-m", "torch.distributed.run",
                    "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", f"{a.address}:{port}", "--rdzv-id", "guide", "--rdzv-conf", host,
                    "--local-addr", node.address, str(script), str(tmp_path), "ddp"]  # fmt: skip
-            procs.append(
-                subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            )
-        try:
-            outs = [p.communicate(timeout=120)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    print(p.communicate()[0][-3000:])
-    for out, p in zip(outs, procs, strict=True):
-        assert p.returncode == 0, why_failed(out, 3000)
+            jobs.append((node, cmd, env))
+        ended = run_in_nodes(jobs, timeout_s=120)
+    for status, out in ended:
+        assert status == 0, why_failed(out, 3000)
     record = read_run_record(tmp_path / "record")
     topology = sorted(record.header["topology"], key=lambda t: t["rank"])
     assert [t["node_rank"] for t in topology] == [0, 1] and [t["local_rank"] for t in topology] == [0, 0]

@@ -12,6 +12,7 @@ at the gradient sync. Rank 0 prints the Trainer's callbacks.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import time
@@ -104,7 +105,9 @@ def main(out: str, max_steps: int) -> None:
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]))
     # torch's gloo shutdown abort (docs/hazards.md): the documented workaround, inline, since this
-    # script must not import pace_strategy (leave_without_finalization)
+    # script must not import pace_strategy (exit_without_finalization): the exit handlers first
+    # (MLflow's flush of what the Trainer's callback logged asynchronously is one), then leave
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

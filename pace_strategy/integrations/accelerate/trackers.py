@@ -17,12 +17,11 @@ is told to plot them against (``define_metric("pace/*", step_metric="pace/step")
 
 from __future__ import annotations
 
-import collections
-import threading
 from collections.abc import Mapping
 from typing import Any
 
 from pace_strategy.integrations.dashboard import add_scalars
+from pace_strategy.integrations.loggers import TagHandOver
 
 __all__ = ["TrackerTags", "is_tensorboard_tracker", "tensorboard_writers"]
 
@@ -44,14 +43,10 @@ class TrackerTags:
     """The session's metrics sink into ``accelerator``'s trackers (:meth:`write`, telemetry thread)
     and the hand-over to the non-TensorBoard ones (:meth:`flush`, training thread)."""
 
-    #: tagged steps kept for :meth:`flush` (many windows' worth); the oldest are dropped beyond it
-    QUEUE = 4096
-
     def __init__(self, accelerator: Any) -> None:
         self._accelerator = accelerator
-        self._queue: collections.deque[tuple[int, dict[str, float]]] = collections.deque(maxlen=self.QUEUE)
+        self._handover = TagHandOver()  # the non-TensorBoard trackers' tags
         self._wandb_runs: set[int] = set()  # runs told what to plot the tags against
-        self._flushing = threading.Lock()
 
     def _trackers(self) -> list[Any]:
         return list(getattr(self._accelerator, "trackers", []))
@@ -63,23 +58,18 @@ class TrackerTags:
             if is_tensorboard_tracker(tracker):
                 add_scalars(tracker.writer, metrics, step)
             elif not queued:
-                self._queue.append((step, dict(metrics)))
+                self._handover.put(step, metrics)
                 queued = True
 
     def flush(self, *_: Any) -> None:
         """Hand the queued tags to the non-TensorBoard trackers, in step order (training thread;
         also an optimizer step post hook, hence the ignored arguments)."""
-        # not re-entered: a SIGTERM handler that detaches while this thread is in a tracker's call
-        if not self._queue or not self._flushing.acquire(blocking=False):
+        if not self._handover:  # the common case, after every optimizer step
             return
-        try:
-            others = [t for t in self._trackers() if not is_tensorboard_tracker(t)]
-            while self._queue:
-                step, metrics = self._queue.popleft()
-                for tracker in others:
-                    self._log(tracker, metrics, step)
-        finally:
-            self._flushing.release()
+        others = [t for t in self._trackers() if not is_tensorboard_tracker(t)]
+        for step, metrics in self._handover.drain():
+            for tracker in others:
+                self._log(tracker, metrics, step)
 
     def _log(self, tracker: Any, metrics: dict[str, float], step: int) -> None:
         if getattr(tracker, "name", None) != "wandb":
